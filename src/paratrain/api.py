@@ -1,0 +1,160 @@
+"""The public entry points: what the CLI calls, callable from Python too."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from paratrain.config import TrainConfig
+from paratrain.data.builtin import ensure_digits
+from paratrain.data.folder import build_split
+from paratrain.dist.env import detect
+from paratrain.errors import UserError
+
+# The embedded default: 8x8 digit scans need neither 224 pixels nor strong crops.
+DIGITS_PRESET = {
+    "model": "resnet18",
+    "image_size": 32,
+    "epochs": 8,
+    "batch_size": 32,
+    "lr": 0.05,
+    "crop_scale_min": 0.5,
+    "hflip": 0.0,
+    "warmup_epochs": 1,
+}
+
+
+def resolve(values: dict) -> tuple[TrainConfig, bool]:
+    """Build the config from user values; with no --data, fill in the digits preset.
+
+    Returns the config and whether the embedded default data set is used. Values the user
+    gave always win over the preset.
+    """
+    builtin = not values.get("data")
+    if builtin:
+        values = {**DIGITS_PRESET, **values}
+    cfg = TrainConfig.from_dict(values, source="arguments").validate()
+    if builtin:
+        cfg.data = str(ensure_digits(cfg.cache_dir))
+    return cfg, builtin
+
+
+def preflight(cfg: TrainConfig) -> None:
+    """Check, in one process, what every rank would otherwise find wrong at once."""
+    from paratrain.models.registry import create_model, read_state_dict
+
+    split = build_split(cfg.data, cfg.val_fraction, cfg.split_seed)
+    create_model(cfg.model, len(split.classes), cfg.image_size)
+    if cfg.weights:
+        read_state_dict(cfg.weights)
+
+
+def train(config: TrainConfig, argv: Sequence[str] | None = None) -> dict | None:
+    """Train as configured: launch ``config.nproc`` workers, or be one.
+
+    Returns the run summary in the process that trained (rank 0's view), None in a
+    launcher process, whose workers report through the run directory.
+    """
+    config.validate()
+    env = detect(os.environ)
+    if config.nproc > 1 and env.source == "single":
+        from paratrain.dist.launch import launch
+
+        preflight(config)
+        code = launch(config.nproc, argv if argv is not None else _argv_for(config))
+        if code:
+            raise SystemExit(code)
+        return None
+    return _train_worker(config, env)
+
+
+def _train_worker(config: TrainConfig, env) -> dict:
+    from paratrain.dist.runtime import distributed
+    from paratrain.engine.trainer import fit
+    from paratrain.report.log import setup_logging
+
+    setup_logging(env.rank, env.world_size)
+    with distributed(env, config.device, config.backend, config.timeout) as runtime:
+        return fit(config, runtime)
+
+
+def _argv_for(config: TrainConfig) -> list[str]:
+    """Worker arguments for a config built in Python: it travels as a YAML file."""
+    import tempfile
+
+    handle = tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="paratrain-", delete=False)
+    with handle:
+        config.save(Path(handle.name))
+    return ["train", "--config", handle.name]
+
+
+def evaluate_checkpoint(
+    checkpoint_path: str,
+    data: str | None,
+    batch_size: int = 64,
+    workers: int | None = None,
+    nproc: int = 1,
+    argv: Sequence[str] | None = None,
+) -> dict | None:
+    """Evaluate a checkpoint on a data folder's validation part, at any world size."""
+    from paratrain.engine import checkpoint
+
+    if batch_size < 1:
+        raise UserError(f"--batch-size must be at least 1, got {batch_size}")
+    if nproc < 1:
+        raise UserError(f"--nproc must be at least 1, got {nproc}")
+    env = detect(os.environ)
+    state = checkpoint.load(checkpoint_path)
+    saved = TrainConfig.from_dict(state["config"], source=checkpoint_path)
+    data_dir = data or saved.data
+    if not data_dir:
+        raise UserError("--data is needed: the checkpoint does not name its data")
+    split = build_split(data_dir, saved.val_fraction, saved.split_seed)
+    if split.classes != state["classes"]:
+        raise UserError(
+            f"classes of {data_dir} ({len(split.classes)}) differ from the checkpoint's "
+            f"({len(state['classes'])}): {split.classes[:5]} vs {state['classes'][:5]}"
+        )
+    if nproc > 1 and env.source == "single":
+        from paratrain.dist.launch import launch
+
+        code = launch(nproc, list(argv or []))
+        if code:
+            raise SystemExit(code)
+        return None
+    return _evaluate_worker(state, saved, split, batch_size, workers, env)
+
+
+def _evaluate_worker(state, saved: TrainConfig, split, batch_size, workers, env) -> dict:
+    from torch.utils.data import DataLoader
+
+    from paratrain.data.folder import ImageSamples
+    from paratrain.data.samplers import ShardedEvalSampler
+    from paratrain.data.transforms import eval_transform
+    from paratrain.dist.runtime import distributed
+    from paratrain.engine.evaluate import evaluate
+    from paratrain.engine.trainer import default_workers
+    from paratrain.models.registry import create_model
+    from paratrain.report.log import setup_logging
+
+    setup_logging(env.rank, env.world_size)
+    with distributed(env, saved.device, saved.backend, saved.timeout) as rt:
+        model = create_model(saved.model, len(split.classes), saved.image_size)
+        model.load_state_dict(state["model"])
+        model.to(rt.device)
+        dataset = ImageSamples(split.val, eval_transform(saved.image_size))
+        n_workers = workers if workers is not None else default_workers(env.local_world_size)
+        loader = DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=ShardedEvalSampler(len(dataset), rt.rank, rt.world_size),
+            num_workers=n_workers,
+        )
+        result = evaluate(model, loader, rt.device, len(split.classes))
+        return {**result.as_dict(), "world_size": rt.world_size}
+
+
+def print_error(message: str) -> None:
+    print(f"paratrain: error: {message}", file=sys.stderr)

@@ -1,0 +1,149 @@
+"""Command line: parse, build the config, dispatch. No training logic lives here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from paratrain.errors import UserError
+
+S = argparse.SUPPRESS  # flags the user did not give stay absent, so presets can fill them
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line on stderr and exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _add_train_flags(p: argparse.ArgumentParser) -> None:
+    data = p.add_argument_group("data")
+    data.add_argument("--data", default=S, help="image folder: DIR/<class>/* or DIR/{train,val}/<class>/*; default: the embedded digits set")
+    data.add_argument("--val-fraction", type=float, default=S, help="share of each class held out for validation (default 0.2)")
+    data.add_argument("--split-seed", type=int, default=S, help="seed of the train/val split (default 0)")
+    data.add_argument("--image-size", type=_positive_int, default=S, help="training crop size in pixels (default 224)")
+    data.add_argument("--crop-scale-min", type=float, default=S, help="smallest area share of RandomResizedCrop (default 0.08)")
+    data.add_argument("--hflip", type=float, default=S, help="horizontal flip probability (default 0.5)")
+    data.add_argument("--workers", type=_positive_int, default=S, help="loader processes per rank (default: from the cores)")
+    data.add_argument("--cache-dir", default=S, help="where the embedded data set is written (default ~/.cache/paratrain)")
+    model = p.add_argument_group("model")
+    model.add_argument("--model", default=S, help="torchvision model name (default resnet18; see `paratrain models`)")
+    model.add_argument("--weights", default=S, help="local state dict or paratrain checkpoint to start from")
+    model.add_argument("--weights-strict", action="store_true", default=S, help="any key or shape mismatch in --weights is an error")
+    opt = p.add_argument_group("optimisation")
+    opt.add_argument("--epochs", type=_positive_int, default=S, help="(default 10)")
+    opt.add_argument("--batch-size", type=_positive_int, default=S, help="per process (default 16); global batch = this x world size")
+    opt.add_argument("--lr", type=float, default=S, help="learning rate for one process (default 0.01)")
+    opt.add_argument("--lr-scaling", choices=["linear", "none"], default=S, help="scale lr with world size (default linear)")
+    opt.add_argument("--lrf", type=float, default=S, help="final lr as a fraction of lr (default 0.1)")
+    opt.add_argument("--momentum", type=float, default=S, help="SGD momentum (default 0.9)")
+    opt.add_argument("--weight-decay", type=float, default=S, help="(default 0.005)")
+    opt.add_argument("--warmup-epochs", type=_positive_int, default=S, help="linear warm-up epochs (default 0)")
+    opt.add_argument("--seed", type=int, default=S, help="seed of weights and sampling (default 0)")
+    par = p.add_argument_group("parallelism")
+    par.add_argument("--nproc", type=_positive_int, default=S, help="processes to start on this machine (default 1)")
+    par.add_argument("--sync-bn", action="store_true", default=S, help="synchronise BatchNorm statistics across processes")
+    par.add_argument("--backend", choices=["gloo", "nccl"], default=S, help="default: nccl on CUDA, gloo on CPU")
+    par.add_argument("--device", default=S, help="cpu, cuda or cuda:N (default: cuda:LOCAL_RANK if present)")
+    par.add_argument("--timeout", type=float, default=S, help="seconds a collective may wait (default 600)")
+    out = p.add_argument_group("output")
+    out.add_argument("--output-dir", default=S, help="parent of run directories (default runs)")
+    out.add_argument("--name", default=S, help="run directory name (default: a timestamp)")
+    out.add_argument("--resume", default=S, help="checkpoint path, or 'auto' for the newest in the run directory")
+    p.add_argument("--config", default=None, help="YAML file of config keys; flags given here win")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="paratrain", description="Train image classifiers in parallel with PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    train = sub.add_parser("train", help="train a classifier on an image folder")
+    _add_train_flags(train)
+    ev = sub.add_parser("eval", help="evaluate a checkpoint on the validation images")
+    ev.add_argument("--checkpoint", required=True, help="a paratrain checkpoint (.pt)")
+    ev.add_argument("--data", default=None, help="image folder (default: the checkpoint's)")
+    ev.add_argument("--batch-size", type=_positive_int, default=64)
+    ev.add_argument("--workers", type=_positive_int, default=None)
+    ev.add_argument("--nproc", type=_positive_int, default=1)
+    ev.add_argument("--json", action="store_true", help="print the result as JSON")
+    sub.add_parser("models", help="list the model names --model accepts")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args, argv)
+    except UserError as exc:
+        _report(str(exc))
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("paratrain: interrupted", file=sys.stderr)
+        return 130
+
+
+def _report(message: str) -> None:
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    where = f"[rank {rank}] " if rank is not None and world not in (None, "1") else ""
+    print(f"paratrain: error: {where}{message}", file=sys.stderr)
+
+
+def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.command == "models":
+        from paratrain.models.registry import list_models
+
+        print("\n".join(list_models()))
+        return 0
+    if args.command == "eval":
+        return _eval(args, argv)
+    return _train(args, argv)
+
+
+def _train(args: argparse.Namespace, argv: list[str]) -> int:
+    from paratrain.api import resolve, train
+    from paratrain.config import TrainConfig
+
+    values = vars(args).copy()
+    values.pop("command")
+    config_file = values.pop("config")
+    if config_file:
+        values = {**TrainConfig.from_yaml(config_file).to_dict(), **values}
+    cfg, builtin = resolve(values)
+    if builtin and not os.environ.get("RANK"):
+        from paratrain.api import DIGITS_PRESET
+
+        chosen = ", ".join(f"{k}={getattr(cfg, k)}" for k in DIGITS_PRESET)
+        print(f"no --data: using the embedded digits set ({cfg.data}); chose {chosen}")
+    train(cfg, argv)
+    return 0
+
+
+def _eval(args: argparse.Namespace, argv: list[str]) -> int:
+    from paratrain.api import evaluate_checkpoint
+
+    result = evaluate_checkpoint(
+        args.checkpoint, args.data, args.batch_size, args.workers, args.nproc, argv
+    )
+    if result is None or os.environ.get("RANK", "0") != "0":
+        return 0
+    if args.json:
+        print(json.dumps(result))
+    else:
+        top5 = f"  top5 {result['top5']:.2%}" if result["top5"] is not None else ""
+        print(
+            f"{result['count']} images on {result['world_size']} process(es): "
+            f"loss {result['loss']:.4f}  top1 {result['top1']:.2%}{top5}"
+        )
+    return 0

@@ -1,0 +1,137 @@
+"""One typed configuration tree.
+
+CLI flags and YAML files both map onto :class:`TrainConfig`; the resolved config is
+written to the run directory as ``config.yaml`` (like timm's ``args.yaml``). Unknown
+keys and wrong types are errors, not silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from paratrain.errors import UserError
+
+
+@dataclass
+class TrainConfig:
+    # data
+    data: str | None = None
+    val_fraction: float = 0.2
+    split_seed: int = 0
+    image_size: int = 224
+    crop_scale_min: float = 0.08
+    hflip: float = 0.5
+    workers: int | None = None
+    # model
+    model: str = "resnet18"
+    weights: str | None = None
+    weights_strict: bool = False
+    # optimisation
+    epochs: int = 10
+    batch_size: int = 16
+    lr: float = 0.01
+    lr_scaling: str = "linear"
+    lrf: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float = 0.005
+    warmup_epochs: int = 0
+    seed: int = 0
+    # parallelism
+    nproc: int = 1
+    sync_bn: bool = False
+    backend: str | None = None
+    device: str | None = None
+    timeout: float = 600.0
+    # output
+    output_dir: str = "runs"
+    name: str | None = None
+    resume: str | None = None
+    # where --data is absent: the embedded digits set; filled in by resolve_defaults()
+    cache_dir: str | None = None
+
+    def validate(self) -> TrainConfig:
+        """Check values a user can get wrong; raise UserError naming flag and value."""
+        _at_least("--nproc", self.nproc, 1)
+        _at_least("--batch-size", self.batch_size, 1)
+        _at_least("--epochs", self.epochs, 1)
+        _at_least("--image-size", self.image_size, 8)
+        _at_least("--warmup-epochs", self.warmup_epochs, 0)
+        if self.workers is not None:
+            _at_least("--workers", self.workers, 0)
+        if not 0.0 < self.val_fraction < 1.0:
+            raise UserError(f"--val-fraction must be between 0 and 1, got {self.val_fraction}")
+        if not 0.0 < self.crop_scale_min <= 1.0:
+            raise UserError(f"--crop-scale-min must be in (0, 1], got {self.crop_scale_min}")
+        if not 0.0 <= self.hflip <= 1.0:
+            raise UserError(f"--hflip must be a probability in [0, 1], got {self.hflip}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise UserError(f"--lr must be a positive number, got {self.lr}")
+        if not 0.0 <= self.lrf <= 1.0:
+            raise UserError(f"--lrf must be in [0, 1], got {self.lrf}")
+        if self.lr_scaling not in ("linear", "none"):
+            raise UserError(f"--lr-scaling must be 'linear' or 'none', got {self.lr_scaling!r}")
+        if self.backend not in (None, "gloo", "nccl"):
+            raise UserError(f"--backend must be 'gloo' or 'nccl', got {self.backend!r}")
+        if self.timeout <= 0:
+            raise UserError(f"--timeout must be positive, got {self.timeout}")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def save(self, path: Path) -> None:
+        path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], source: str = "config") -> TrainConfig:
+        """Build a config from a mapping; unknown keys and wrong types are UserErrors."""
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise UserError(f"{source}: unknown key(s) {', '.join(unknown)}")
+        hints = typing.get_type_hints(cls)
+        checked = {k: _coerce(k, v, hints[k], source) for k, v in values.items()}
+        return cls(**checked)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> TrainConfig:
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"config file not found: {path}")
+        try:
+            values = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise UserError(f"{path}: not valid YAML ({exc.__class__.__name__})") from None
+        if not isinstance(values, dict):
+            raise UserError(f"{path}: expected a mapping of config keys")
+        return cls.from_dict(values, source=str(path))
+
+
+def _at_least(flag: str, value: int, low: int) -> None:
+    if value < low:
+        raise UserError(f"{flag} must be at least {low}, got {value}")
+
+
+def _coerce(key: str, value: Any, hint: Any, source: str) -> Any:
+    """Accept a value if it fits the annotated type (ints are fine where floats are)."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None and type(None) in options:
+        return None
+    for option in options:
+        base = typing.get_origin(option) or option
+        if base is float and isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if base is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if base in (str, bool, dict) and isinstance(value, base):
+            return value
+    raise UserError(f"{source}: {key} has the wrong type ({type(value).__name__}: {value!r})")

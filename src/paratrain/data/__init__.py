@@ -1,0 +1,1 @@
+"""Image folders, splits, transforms, samplers and loaders."""

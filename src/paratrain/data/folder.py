@@ -1,0 +1,150 @@
+"""Scan and validate an image folder, split it into train/val, hold the class index.
+
+Two layouts are accepted:
+
+* ``DIR/<class>/*.jpg``: split deterministically, the same fraction of every class to
+  validation, with a fixed seed (the same split on every rank and every run);
+* ``DIR/train/<class>`` and ``DIR/val/<class>``: used as given; both need the same classes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+from torch.utils.data import Dataset
+
+from paratrain.errors import UserError
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+Sample = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class DataSplit:
+    classes: list[str]
+    train: list[Sample]
+    val: list[Sample]
+    layout: str  # "split" (one folder, split here) or "given" (train/ and val/)
+    root: str
+
+    def class_index(self) -> dict[str, str]:
+        """index -> class name, as written to class_indices.json."""
+        return {str(i): name for i, name in enumerate(self.classes)}
+
+
+def _is_image(name: str) -> bool:
+    return name.lower().endswith(IMAGE_EXTENSIONS)
+
+
+def scan_classes(root: Path) -> dict[str, list[str]]:
+    """Map each class folder under ``root`` to its sorted image paths."""
+    if not root.exists():
+        raise UserError(f"data directory does not exist: {root}")
+    if not root.is_dir():
+        raise UserError(f"data path is not a directory: {root}")
+    entries = sorted(os.scandir(root), key=lambda e: e.name)
+    class_dirs = [e for e in entries if e.is_dir() and not e.name.startswith(".")]
+    if not class_dirs:
+        if not entries:
+            raise UserError(f"data directory is empty: {root}")
+        raise UserError(f"no class folders in {root} (expected {root}/<class>/<image>)")
+    classes: dict[str, list[str]] = {}
+    for entry in class_dirs:
+        images = sorted(
+            os.path.join(dirpath, f)
+            for dirpath, _, files in os.walk(entry.path, followlinks=True)
+            for f in files
+            if _is_image(f)
+        )
+        if not images:
+            raise UserError(f"class folder has no images: {entry.path}")
+        classes[entry.name] = images
+    return classes
+
+
+def _is_given_split(root: Path) -> bool:
+    return (root / "train").is_dir() and (root / "val").is_dir()
+
+
+def build_split(data_dir: str | Path, val_fraction: float = 0.2, seed: int = 0) -> DataSplit:
+    root = Path(data_dir).expanduser()
+    if _is_given_split(root):
+        train = scan_classes(root / "train")
+        val = scan_classes(root / "val")
+        if set(train) != set(val):
+            only_train = sorted(set(train) - set(val))
+            only_val = sorted(set(val) - set(train))
+            raise UserError(
+                f"train/val class folders differ in {root}: "
+                f"only in train: {only_train or 'none'}; only in val: {only_val or 'none'}"
+            )
+        classes = sorted(train)
+        return DataSplit(
+            classes=classes,
+            train=_label(train, classes),
+            val=_label(val, classes),
+            layout="given",
+            root=str(root),
+        )
+    by_class = scan_classes(root)
+    classes = sorted(by_class)
+    train, val = [], []
+    for index, name in enumerate(classes):
+        paths = by_class[name]
+        if len(paths) < 2:
+            raise UserError(
+                f"class folder {root / name} has {len(paths)} image; at least 2 are needed "
+                f"to split it into train and val"
+            )
+        train_paths, val_paths = split_class(paths, val_fraction, seed + index)
+        train += [(p, index) for p in train_paths]
+        val += [(p, index) for p in val_paths]
+    return DataSplit(classes=classes, train=train, val=val, layout="split", root=str(root))
+
+
+def split_class(paths: Sequence[str], val_fraction: float, seed: int) -> tuple[list, list]:
+    """Deterministic per-class split: at least one image on each side."""
+    n = len(paths)
+    n_val = min(max(1, round(n * val_fraction)), n - 1)
+    order = np.random.default_rng(seed).permutation(n)
+    val_ids = set(order[:n_val].tolist())
+    train = [p for i, p in enumerate(paths) if i not in val_ids]
+    val = [p for i, p in enumerate(paths) if i in val_ids]
+    return train, val
+
+
+def _label(by_class: dict[str, list[str]], classes: list[str]) -> list[Sample]:
+    return [(p, i) for i, name in enumerate(classes) for p in by_class[name]]
+
+
+def load_rgb(path: str) -> Image.Image:
+    """Open an image as 3-channel RGB; a file that is not a readable image is a UserError."""
+    try:
+        with Image.open(path) as image:
+            image.load()
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise UserError(f"cannot read image {path}: {exc}") from None
+
+
+class ImageSamples(Dataset):
+    """(path, label) pairs read with PIL and passed through a transform."""
+
+    def __init__(self, samples: Sequence[Sample], transform: Callable | None = None):
+        self.samples = list(samples)
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        path, label = self.samples[index]
+        image = load_rgb(path)
+        return (self.transform(image) if self.transform else image), label

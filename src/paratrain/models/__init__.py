@@ -1,0 +1,1 @@
+"""torchvision classification models by name, and partial weight loading."""

@@ -1,0 +1,121 @@
+"""create_model(name), list_models(), and partial loading of local weight files."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torchvision
+from torch import nn
+
+from paratrain.errors import UserError
+
+# Prefixes that wrappers add to parameter names: DDP/DataParallel and torch.compile.
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def list_models() -> list[str]:
+    """Every torchvision classification model name."""
+    return sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def create_model(name: str, num_classes: int, image_size: int | None = None) -> nn.Module:
+    """A randomly initialised torchvision classifier with ``num_classes`` outputs."""
+    available = list_models()
+    if name not in available:
+        close = [m for m in available if name.split("_")[0] in m][:6]
+        hint = f"; similar: {', '.join(close)}" if close else ""
+        raise UserError(f"unknown model {name!r} (see `paratrain models`){hint}")
+    kwargs: dict = {"weights": None, "num_classes": num_classes}
+    if name.startswith("vit_") and image_size:  # ViTs are built for one input size
+        kwargs["image_size"] = image_size
+    if name in ("inception_v3", "googlenet"):
+        kwargs["aux_logits"] = False
+        kwargs["init_weights"] = True
+    return torchvision.models.get_model(name, **kwargs)
+
+
+def strip_prefixes(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop the ``module.`` and ``_orig_mod.`` prefixes that wrappers put before keys."""
+    cleaned = {}
+    for key, value in state.items():
+        while key.startswith(WRAPPER_PREFIXES):
+            key = key.split(".", 1)[1]
+        cleaned[key] = value
+    return cleaned
+
+
+@dataclass
+class LoadReport:
+    loaded: list[str] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (key, why)
+    missing: list[str] = field(default_factory=list)
+
+    @property
+    def exact(self) -> bool:
+        return not self.skipped and not self.missing
+
+    def summary(self, path: str) -> str:
+        lines = [
+            f"weights {path}: loaded {len(self.loaded)} tensors, skipped {len(self.skipped)}, "
+            f"missing {len(self.missing)}"
+        ]
+        lines += [f"  skipped {key}: {why}" for key, why in self.skipped[:20]]
+        if len(self.skipped) > 20:
+            lines.append(f"  ... and {len(self.skipped) - 20} more skipped")
+        lines += [f"  missing {key} (left as initialised)" for key in self.missing[:20]]
+        if len(self.missing) > 20:
+            lines.append(f"  ... and {len(self.missing) - 20} more missing")
+        return "\n".join(lines)
+
+
+def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """Read a torchvision weights file or a paratrain checkpoint as a plain state dict."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise UserError(f"weights file not found: {path}")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises many types for a file that is not a pickle
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"weights file {path} could not be read as a state dict: {reason}") from None
+    if isinstance(obj, Mapping) and isinstance(obj.get("model"), Mapping):
+        obj = obj["model"]  # a paratrain checkpoint
+    elif isinstance(obj, Mapping) and isinstance(obj.get("state_dict"), Mapping):
+        obj = obj["state_dict"]
+    if not isinstance(obj, Mapping) or not obj:
+        raise UserError(f"weights file {path} does not hold a state dict (a mapping of tensors)")
+    tensors = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+    if not tensors or not all(isinstance(k, str) for k in obj):
+        raise UserError(f"weights file {path} does not hold a state dict (a mapping of tensors)")
+    return strip_prefixes(tensors)
+
+
+def load_weights(
+    model: nn.Module, state: Mapping[str, torch.Tensor], strict: bool = False, source: str = ""
+) -> LoadReport:
+    """Copy every tensor whose name and shape match; report what was skipped and missing."""
+    own = model.state_dict()
+    report = LoadReport()
+    usable = {}
+    for key, value in state.items():
+        if key not in own:
+            report.skipped.append((key, "not in model"))
+        elif own[key].shape != value.shape:
+            report.skipped.append(
+                (key, f"shape {tuple(value.shape)} in file, {tuple(own[key].shape)} in model")
+            )
+        else:
+            usable[key] = value
+            report.loaded.append(key)
+    report.missing = [key for key in own if key not in usable]
+    if strict and not report.exact:
+        first = report.skipped[0][0] if report.skipped else report.missing[0]
+        raise UserError(
+            f"--weights-strict: {source or 'weights'} does not match the model exactly "
+            f"({len(report.skipped)} skipped, {len(report.missing)} missing; first: {first})"
+        )
+    model.load_state_dict(usable, strict=False)
+    return report

@@ -1,0 +1,89 @@
+"""parallelize(): wrap a model for the chosen strategy and return its ModelParts.
+
+The order is fixed, and each step depends on the one before:
+
+1. move to the device: wrappers capture parameters where they live;
+2. SyncBatchNorm conversion: it replaces BatchNorm modules, so it must happen before
+   DDP registers its hooks on the parameters (DDP would not see the new modules);
+3. the data-parallel wrapper (DDP), which broadcasts rank 0's weights and buffers so
+   every rank starts from identical values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from paratrain.config import TrainConfig
+from paratrain.dist.runtime import Runtime
+
+
+class ModelParts(list):
+    """The model as a list of modules: one for data parallelism, one per stage otherwise.
+
+    The loop, checkpointing and evaluation only talk to this list, so every strategy
+    shares them.
+    """
+
+    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+        out = inputs
+        for part in self:
+            out = part(out)
+        return out
+
+    @property
+    def training(self) -> bool:
+        return all(part.training for part in self)
+
+    def train(self, mode: bool = True) -> ModelParts:
+        for part in self:
+            part.train(mode)
+        return self
+
+    def eval(self) -> ModelParts:
+        return self.train(False)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for part in self:
+            yield from part.parameters()
+
+    def unwrapped(self) -> list[nn.Module]:
+        return [unwrap(part) for part in self]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """One unified, unwrapped state dict (no ``module.`` or ``_orig_mod.`` prefixes)."""
+        state: dict[str, torch.Tensor] = {}
+        for part in self.unwrapped():
+            state.update({k: v.detach().cpu() for k, v in part.state_dict().items()})
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for part in self.unwrapped():
+            own = part.state_dict().keys()
+            part.load_state_dict({k: v for k, v in state.items() if k in own}, strict=True)
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """Peel DDP/DataParallel (``.module``) and torch.compile (``._orig_mod``) wrappers."""
+    while True:
+        if isinstance(module, nn.parallel.DistributedDataParallel | nn.DataParallel):
+            module = module.module
+        elif hasattr(module, "_orig_mod"):
+            module = module._orig_mod
+        else:
+            return module
+
+
+def parallelize(model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> ModelParts:
+    from paratrain.parallel import ddp
+
+    model = model.to(runtime.device)
+    if cfg.sync_bn and runtime.world_size > 1:
+        from paratrain.parallel import sync_batchnorm
+
+        model = sync_batchnorm.apply(model, runtime)
+    if runtime.world_size > 1:
+        return ddp.apply(model, cfg, runtime)
+    return ModelParts([model])

@@ -1,0 +1,1 @@
+"""Rank-aware logging, progress, metrics files and summaries (rank 0 speaks)."""

@@ -1,0 +1,62 @@
+"""Per-epoch metrics as JSON lines and CSV, written by rank 0."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+COLUMNS = [
+    "epoch",
+    "lr",
+    "train_loss",
+    "train_acc",
+    "val_loss",
+    "val_top1",
+    "val_top5",
+    "epoch_seconds",
+    "train_images_per_s",
+]
+
+
+class MetricsWriter:
+    """Appends one row per epoch to metrics.jsonl and metrics.csv (resumable)."""
+
+    def __init__(self, run_dir: Path):
+        self.jsonl = run_dir / "metrics.jsonl"
+        self.csv = run_dir / "metrics.csv"
+
+    def drop_after(self, epoch: int) -> None:
+        """On resume, forget rows of epochs that are about to be run again."""
+        rows = [r for r in self.read() if r["epoch"] <= epoch]
+        self.jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        with self.csv.open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=COLUMNS, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.jsonl.exists():
+            return []
+        return [json.loads(line) for line in self.jsonl.read_text().splitlines() if line]
+
+    def write(self, row: dict[str, Any]) -> None:
+        with self.jsonl.open("a") as handle:
+            handle.write(json.dumps(row) + "\n")
+        new = not self.csv.exists()
+        with self.csv.open("a", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=COLUMNS, extrasaction="ignore")
+            if new:
+                writer.writeheader()
+            writer.writerow(row)
+
+
+def format_epoch(row: dict[str, Any], epochs: int) -> str:
+    top5 = f" top5 {row['val_top5']:.1%}" if row.get("val_top5") is not None else ""
+    return (
+        f"epoch {row['epoch']}/{epochs}  lr {row['lr']:.4g}  "
+        f"train loss {row['train_loss']:.4f} acc {row['train_acc']:.1%}  "
+        f"val loss {row['val_loss']:.4f} top1 {row['val_top1']:.1%}{top5}  "
+        f"{row['epoch_seconds']:.1f}s  {row['train_images_per_s']:.0f} img/s"
+    )
