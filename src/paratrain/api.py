@@ -49,6 +49,8 @@ def preflight(cfg: TrainConfig) -> None:
     create_model(cfg.model, len(split.classes), cfg.image_size)
     if cfg.weights:
         read_state_dict(cfg.weights)
+    if cfg.resume and cfg.resume != "auto" and not Path(cfg.resume).is_file():
+        raise UserError(f"--resume: checkpoint not found: {cfg.resume}")
 
 
 def train(config: TrainConfig, argv: Sequence[str] | None = None) -> dict | None:

@@ -97,7 +97,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _report(message: str) -> None:
     rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
     where = f"[rank {rank}] " if rank is not None and world not in (None, "1") else ""
-    print(f"paratrain: error: {where}{message}", file=sys.stderr)
+    print(f"paratrain: error: {where}{one_line(message)}", file=sys.stderr)
+
+
+def one_line(message: str) -> str:
+    """A UserError re-raised by a DataLoader worker carries the worker's traceback in its
+    message; the user needs only the original message, its last line."""
+    lines = [line for line in message.strip().splitlines() if line.strip()]
+    if len(lines) > 1 and "Original Traceback" in message:
+        last = lines[-1]
+        return last.split(": ", 1)[1] if last.startswith(("paratrain.", "UserError")) else last
+    return lines[0] if lines else message
 
 
 def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:

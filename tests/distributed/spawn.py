@@ -1,0 +1,59 @@
+"""The one spawn helper for multi-process tests: N gloo processes on a free port.
+
+``run_distributed(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` in every
+process with the process group initialised, and returns the per-rank results. A failure
+in any rank fails the call with that rank's traceback; the group is always destroyed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(rank, world_size, port, fn, args, out_dir):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120)
+    )
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, Path(out_dir) / f"{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args):
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(
+            _entry,
+            args=(world_size, free_port(), fn, args, out_dir),
+            nprocs=world_size,
+            join=True,
+            start_method="spawn",
+        )
+        return [
+            torch.load(Path(out_dir) / f"{r}.pt", weights_only=False) for r in range(world_size)
+        ]
+
+
+def in_single_process(fn, *args):
+    """Run ``fn(0, 1, *args)`` here, without a process group (the 1-process reference)."""
+    return fn(0, 1, *args)

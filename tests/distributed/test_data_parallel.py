@@ -1,0 +1,123 @@
+"""Issue: identical initial weights, per-epoch reshuffling, exact evaluation (gloo, CPU)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+import torch
+from spawn import in_single_process, run_distributed
+from torch.utils.data import DataLoader
+
+from imagefolders import make_image_folder
+from paratrain.config import TrainConfig
+from paratrain.data.folder import ImageSamples, build_split
+from paratrain.data.samplers import ShardedEvalSampler
+from paratrain.data.transforms import eval_transform
+from paratrain.dist.env import detect
+from paratrain.dist.runtime import Runtime
+from paratrain.engine.evaluate import evaluate
+from paratrain.models.registry import create_model
+
+pytestmark = pytest.mark.slow
+
+
+def _digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for key, value in sorted(model.state_dict().items()):
+        h.update(key.encode())
+        h.update(value.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _runtime() -> Runtime:
+    return Runtime(env=detect(os.environ), device=torch.device("cpu"), backend="gloo")
+
+
+def _initial_weights(rank, world, weights):
+    from paratrain.engine.trainer import build_model
+    from paratrain.parallel import parallelize
+
+    torch.manual_seed(1234 + rank)  # ranks arrive with different RNG states
+    cfg = TrainConfig(model="resnet18", weights=weights, image_size=32)
+    model = build_model(cfg, num_classes=3)
+    built = _digest(model)
+    parts = parallelize(model, cfg, _runtime())
+    return built, _digest(parts.unwrapped()[0])
+
+
+@pytest.mark.parametrize("with_weights", [False, True])
+def test_every_rank_starts_from_identical_weights(tmp_path, with_weights):
+    weights = None
+    if with_weights:
+        torch.manual_seed(99)
+        weights = str(tmp_path / "w.pt")
+        torch.save(create_model("resnet18", 1000).state_dict(), weights)
+    results = run_distributed(_initial_weights, 2, weights)
+    assert results[0] == results[1]
+    if with_weights:
+        # the loaded file, not the seed, decides the backbone
+        assert results[0][0] != in_single_process(_initial_weights, None)[0]
+
+
+def _record_training_order(rank, world, data_dir, out_dir):
+    from paratrain.data import folder
+    from paratrain.engine.trainer import fit
+
+    seen: list[int] = []
+    original = folder.ImageSamples.__getitem__
+
+    def recording(self, index):
+        if self.transform is not None and "RandomResizedCrop" in repr(self.transform):
+            seen.append(index)
+        return original(self, index)
+
+    folder.ImageSamples.__getitem__ = recording
+    cfg = TrainConfig(data=data_dir, model="resnet18", image_size=16, epochs=2, batch_size=4,
+                      workers=0, output_dir=out_dir, name="order")
+    fit(cfg, _runtime())
+    half = len(seen) // 2
+    return seen[:half], seen[half:]
+
+
+def test_sampler_reshuffles_every_epoch_and_shards_disjointly(tmp_path):
+    data = make_image_folder(tmp_path / "d", classes=2, per_class=10)  # 16 train images
+    results = run_distributed(_record_training_order, 2, str(data), str(tmp_path / "runs"))
+    for epoch in (0, 1):
+        shards = [set(r[epoch]) for r in results]
+        assert shards[0].isdisjoint(shards[1])
+        assert shards[0] | shards[1] == set(range(16))
+    for first, second in results:
+        assert first != second  # set_epoch() was called: a new order
+    assert (tmp_path / "runs" / "order" / "checkpoints" / "last.pt").is_file()
+
+
+def _evaluate(rank, world, data_dir, weights_path):
+    split = build_split(data_dir, val_fraction=0.5)
+    model = create_model("resnet18", len(split.classes))
+    model.load_state_dict(torch.load(weights_path))
+    dataset = ImageSamples(split.val, eval_transform(16))
+    loader = DataLoader(dataset, batch_size=16, sampler=ShardedEvalSampler(len(dataset), rank, world))
+    return evaluate(model, loader, torch.device("cpu"), len(split.classes)).as_dict()
+
+
+@pytest.fixture(scope="module")
+def odd_validation_set(tmp_path_factory):
+    """7 classes x 286 images at val_fraction 0.5: exactly 1,001 validation images."""
+    root = tmp_path_factory.mktemp("odd")
+    data = make_image_folder(root / "d", classes=7, per_class=286, size=(16, 16))
+    torch.manual_seed(5)
+    weights = root / "w.pt"
+    torch.save(create_model("resnet18", 7).state_dict(), weights)
+    return str(data), str(weights)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_evaluation_counts_every_image_once_and_matches_one_process(odd_validation_set, world):
+    data, weights = odd_validation_set
+    reference = in_single_process(_evaluate, data, weights)
+    assert reference["count"] == 1001
+    results = run_distributed(_evaluate, world, data, weights)
+    for result in results:
+        assert result == reference

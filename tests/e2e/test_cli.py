@@ -1,0 +1,149 @@
+"""The CLI as a user runs it: a subprocess, exit codes, run files, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from imagefolders import make_image_folder
+
+pytestmark = pytest.mark.slow
+
+FAST = ["--model", "resnet18", "--image-size", "16", "--batch-size", "4", "--workers", "0"]
+
+
+def run_cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PARATRAIN_CACHE"] = str(cwd / "cache")
+    return subprocess.run(
+        [sys.executable, "-m", "paratrain", *args],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One 2-process epoch, then --resume auto to a second epoch."""
+    root = tmp_path_factory.mktemp("e2e")
+    data = make_image_folder(root / "data", classes=3, per_class=12)
+    first = run_cli("train", "--data", str(data), "--nproc", "2", "--epochs", "1",
+                    "--name", "r1", *FAST, cwd=root)
+    files_after_first = sorted(p.relative_to(root / "runs" / "r1").as_posix()
+                               for p in (root / "runs" / "r1").rglob("*") if p.is_file())
+    second = run_cli("train", "--data", str(data), "--nproc", "2", "--epochs", "2",
+                     "--resume", "auto", *FAST, cwd=root)
+    return root, data, first, files_after_first, second
+
+
+def test_two_process_epoch_writes_every_run_file(trained):
+    root, data, first, files, _ = trained
+    assert first.returncode == 0, first.stderr
+    assert files == [
+        "checkpoints/best.pt", "checkpoints/last.pt", "class_indices.json", "config.yaml",
+        "metrics.csv", "metrics.jsonl", "summary.json",
+    ]
+    assert "2 process(es) on cpu (gloo)" in first.stdout
+    assert "global batch 8 (4 x 2), lr 0.02 (base 0.01, scaling linear)" in first.stdout
+    assert first.stdout.count("epoch 1/1") == 1  # rank 0 speaks, rank 1 stays quiet
+    assert json.loads((root / "runs/r1/class_indices.json").read_text()) == {
+        "0": "class_0", "1": "class_1", "2": "class_2"}
+    assert "Traceback" not in first.stderr
+
+
+def test_resume_auto_continues_at_the_next_epoch(trained):
+    root, _, _, _, second = trained
+    assert second.returncode == 0, second.stderr
+    assert "resumed from runs/r1/checkpoints/last.pt at epoch 2" in second.stdout
+    assert "epoch 1/2" not in second.stdout and "epoch 2/2" in second.stdout
+    rows = [json.loads(x) for x in (root / "runs/r1/metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [1, 2]
+    assert all(r["val_count"] == 6 for r in rows)  # 3 classes x 2 val images, each once
+    csv_lines = (root / "runs/r1/metrics.csv").read_text().splitlines()
+    assert csv_lines[0].startswith("epoch,lr,train_loss,train_acc,val_loss,val_top1,val_top5")
+    assert len(csv_lines) == 3
+    state = torch.load(root / "runs/r1/checkpoints/last.pt", weights_only=False)
+    assert state["epoch"] == 2 and not any(k.startswith("module.") for k in state["model"])
+
+
+def test_eval_counts_each_image_once_at_any_world_size(trained):
+    root, data, *_ = trained
+    ckpt = str(root / "runs/r1/checkpoints/last.pt")
+    one = run_cli("eval", "--checkpoint", ckpt, "--data", str(data), "--json", cwd=root)
+    two = run_cli("eval", "--checkpoint", ckpt, "--data", str(data), "--json", "--nproc", "2",
+                  cwd=root)
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    a, b = json.loads(one.stdout), json.loads(two.stdout.strip().splitlines()[-1])
+    assert a["count"] == b["count"] == 6
+    assert (a["loss"], a["top1"]) == (b["loss"], b["top1"])
+    assert (a["world_size"], b["world_size"]) == (1, 2)
+
+
+def test_models_lists_torchvision_classifiers(tmp_path):
+    out = run_cli("models", cwd=tmp_path)
+    assert out.returncode == 0
+    assert {"resnet18", "resnet34", "vit_b_16"} <= set(out.stdout.split())
+
+
+def _bad_inputs(root: Path) -> dict[str, tuple[list[str], str]]:
+    good = make_image_folder(root / "good", classes=2, per_class=4)
+    (root / "empty").mkdir()
+    (root / "flat").mkdir()
+    (root / "flat" / "x.jpg").write_bytes(b"")
+    empty_class = make_image_folder(root / "emptyclass", classes=2, per_class=4)
+    (empty_class / "class_9").mkdir()
+    small = make_image_folder(root / "small", classes=2, per_class=4)
+    for extra in list((small / "class_1").iterdir())[1:]:
+        extra.unlink()
+    differ = make_image_folder(root / "differ", classes=2, per_class=6, layout="given")
+    (differ / "val" / "class_1").rename(differ / "val" / "class_7")
+    (root / "notweights.pt").write_text("hello")
+    corrupt = make_image_folder(root / "corrupt", classes=2, per_class=8)
+    for victim in sorted((corrupt / "class_1").iterdir())[:8]:
+        victim.write_bytes(victim.read_bytes()[:40])  # truncated JPEGs on every rank's shard
+    d = str(good)
+    return {
+        "missing data": (["--data", str(root / "nope")], f"data directory does not exist: {root / 'nope'}"),
+        "empty data": (["--data", str(root / "empty")], "data directory is empty"),
+        "no class folders": (["--data", str(root / "flat")], "no class folders"),
+        "empty class": (["--data", str(empty_class)], "class folder has no images"),
+        "one image": (["--data", str(small)], "has 1 image; at least 2"),
+        "classes differ": (["--data", str(differ)], "train/val class folders differ"),
+        "unknown model": (["--data", d, "--model", "resnet17"], "unknown model 'resnet17'"),
+        "not weights": (["--data", d, "--weights", str(root / "notweights.pt")], "could not be read as a state dict"),
+        "nproc 0": (["--data", d, "--nproc", "0"], "--nproc must be at least 1, got 0"),
+        "batch 0": (["--data", d, "--batch-size", "0"], "--batch-size must be at least 1, got 0"),
+        "bad flag": (["--data", d, "--epochs", "many"], "expected an integer, got 'many'"),
+        "corrupt image on the ranks": (["--data", str(corrupt), "--nproc", "2", "--model", "resnet18",
+                                        "--image-size", "16", "--batch-size", "2", "--workers", "1"],
+                                       "cannot read image"),
+    }
+
+
+@pytest.fixture(scope="module")
+def bad_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("bad")
+
+
+BAD_CASES = [
+    "missing data", "empty data", "no class folders", "empty class", "one image",
+    "classes differ", "unknown model", "not weights", "nproc 0", "batch 0", "bad flag",
+    "corrupt image on the ranks",
+]
+
+
+@pytest.mark.parametrize("case", BAD_CASES)
+def test_bad_input_is_one_line_and_exit_code_2(bad_root, case):
+    cases = _bad_inputs(bad_root / case.replace(" ", "_"))
+    args, message = cases[case]
+    out = run_cli("train", "--epochs", "1", *args, cwd=bad_root, timeout=120)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert message in out.stderr
+    error_lines = [line for line in out.stderr.splitlines() if "error:" in line]
+    assert error_lines and all(line.startswith("paratrain") for line in error_lines)
+    assert "Traceback" not in out.stderr

@@ -1,0 +1,69 @@
+import json
+from collections import Counter
+
+import pytest
+
+from imagefolders import make_image_folder
+from paratrain.data.folder import build_split
+from paratrain.errors import UserError
+
+
+def test_split_is_deterministic_and_per_class(tmp_path):
+    root = make_image_folder(tmp_path / "d", classes=4, per_class=20)
+    a = build_split(root, 0.2, seed=0)
+    b = build_split(root, 0.2, seed=0)
+    assert a == b
+    assert a.layout == "split" and a.classes == [f"class_{i}" for i in range(4)]
+    assert Counter(label for _, label in a.val) == {i: 4 for i in range(4)}
+    assert Counter(label for _, label in a.train) == {i: 16 for i in range(4)}
+    assert not {p for p, _ in a.train} & {p for p, _ in a.val}
+    assert build_split(root, 0.2, seed=1).val != a.val
+
+
+@pytest.mark.parametrize("fraction, per_class, n_val", [(0.2, 10, 2), (0.5, 7, 4), (0.1, 3, 1), (0.9, 2, 1)])
+def test_val_fraction_rounds_and_keeps_both_sides(tmp_path, fraction, per_class, n_val):
+    root = make_image_folder(tmp_path / "d", classes=2, per_class=per_class)
+    split = build_split(root, fraction)
+    assert Counter(label for _, label in split.val) == {0: n_val, 1: n_val}
+    assert len(split.train) == 2 * (per_class - n_val)
+
+
+def test_given_train_val_layout_is_used_as_is(tmp_path):
+    root = make_image_folder(tmp_path / "d", classes=3, per_class=9, layout="given")
+    split = build_split(root)
+    assert split.layout == "given"
+    assert len(split.train) == 27 and len(split.val) == 9
+    assert all("/train/" in p for p, _ in split.train) and all("/val/" in p for p, _ in split.val)
+    assert json.loads(json.dumps(split.class_index())) == {"0": "class_0", "1": "class_1", "2": "class_2"}
+
+
+def test_missing_and_empty_directories(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        build_split(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="empty"):
+        build_split(tmp_path / "empty")
+    (tmp_path / "flat").mkdir()
+    (tmp_path / "flat" / "a.jpg").write_bytes(b"x")
+    with pytest.raises(UserError, match="no class folders"):
+        build_split(tmp_path / "flat")
+
+
+def test_empty_class_and_too_small_class(tmp_path):
+    root = make_image_folder(tmp_path / "d", classes=2, per_class=4)
+    (root / "zz_empty").mkdir()
+    with pytest.raises(UserError, match="zz_empty"):
+        build_split(root)
+    (root / "zz_empty").rmdir()
+    lonely = root / "zz_one"
+    lonely.mkdir()
+    (root / "class_0" / "000.jpg").rename(lonely / "000.jpg")
+    with pytest.raises(UserError, match="zz_one.*1 image"):
+        build_split(root)
+
+
+def test_train_val_class_sets_must_match(tmp_path):
+    root = make_image_folder(tmp_path / "d", classes=3, per_class=6, layout="given")
+    (root / "val" / "class_2").rename(root / "val" / "class_9")
+    with pytest.raises(UserError, match=r"only in train: \['class_2'\].*only in val: \['class_9'\]"):
+        build_split(root)
