@@ -71,6 +71,13 @@ def build_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
     return model
 
 
+def build_optimizer(parts: ModelParts, cfg: TrainConfig, world_size: int) -> torch.optim.SGD:
+    lr = effective_lr(cfg.lr, world_size, cfg.lr_scaling)
+    return torch.optim.SGD(
+        parts.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+    )
+
+
 def train_one_epoch(parts: ModelParts, loader: DataLoader, optimizer, rt: Runtime, bar) -> EpochStats:
     parts.train()
     start = time.perf_counter()
@@ -105,10 +112,8 @@ def fit(cfg: TrainConfig, rt: Runtime) -> dict:
     metrics = MetricsWriter(run_dir)
 
     parts = parallelize(build_model(cfg, len(split.classes)), cfg, rt)
-    lr = effective_lr(cfg.lr, rt.world_size, cfg.lr_scaling)
-    optimizer = torch.optim.SGD(
-        parts.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
-    )
+    optimizer = build_optimizer(parts, cfg, rt.world_size)
+    lr = optimizer.param_groups[0]["lr"]
     scheduler = build_scheduler(optimizer, cfg.epochs, cfg.lrf, cfg.warmup_epochs)
     start_epoch, best_top1 = 0, -1.0
     if resume_from is not None:
