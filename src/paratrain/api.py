@@ -162,3 +162,50 @@ def _evaluate_worker(state, saved: TrainConfig, split, batch_size, workers, env)
 
 def print_error(message: str) -> None:
     print(f"paratrain: error: {message}", file=sys.stderr)
+
+
+def check(
+    nproc: int = 2,
+    backend: str | None = None,
+    device: str | None = None,
+    timeout_s: float = 120.0,
+    argv: Sequence[str] | None = None,
+) -> int:
+    """`paratrain check`: run the self-test on ``nproc`` processes; 0 when all passed."""
+    if nproc < 1:
+        raise UserError(f"--nproc must be at least 1, got {nproc}")
+    env = detect(os.environ)
+    if env.source == "single":
+        from paratrain.dist.launch import launch
+
+        return launch(nproc, list(argv if argv is not None else ["check"]))
+    from paratrain.dist.check import format_table, run_checks
+    from paratrain.dist.runtime import distributed
+
+    with distributed(env, device, backend, timeout_s) as rt:
+        if not rt.backend:  # one process still exercises the collectives, on a 1-rank group
+            return _check_alone(rt, timeout_s)
+        rows = run_checks(rt)
+    if env.is_main:
+        print(format_table(rows))
+    return 0 if all(r.ok for r in rows) else 1
+
+
+def _check_alone(rt, timeout_s: float) -> int:
+    import datetime
+
+    import torch.distributed as dist
+
+    from paratrain.dist.check import format_table, run_checks
+    from paratrain.dist.runtime import Runtime, choose_backend
+
+    backend = choose_backend(rt.device)
+    store = dist.HashStore()
+    dist.init_process_group(backend, store=store, rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        rows = run_checks(Runtime(env=rt.env, device=rt.device, backend=backend))
+    finally:
+        dist.destroy_process_group()
+    print(format_table(rows))
+    return 0 if all(r.ok for r in rows) else 1

@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--nproc", type=_positive_int, default=1)
     ev.add_argument("--json", action="store_true", help="print the result as JSON")
     sub.add_parser("models", help="list the model names --model accepts")
+    check = sub.add_parser("check", help="self-test: backends, collectives, SyncBatchNorm, bandwidth")
+    check.add_argument("--nproc", type=_positive_int, default=2)
+    check.add_argument("--backend", choices=["gloo", "nccl"], default=None)
+    check.add_argument("--device", default=None)
+    check.add_argument("--timeout", type=float, default=120.0)
     return parser
 
 
@@ -118,6 +123,10 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
         return 0
     if args.command == "eval":
         return _eval(args, argv)
+    if args.command == "check":
+        from paratrain.api import check
+
+        return check(args.nproc, args.backend, args.device, args.timeout, argv)
     return _train(args, argv)
 
 

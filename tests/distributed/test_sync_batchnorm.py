@@ -128,10 +128,13 @@ def _bf16_rank(rank, world, sizes):
     x, g = _global_batch(2, sizes)
     start = sum(sizes[:rank])
     bn = SyncBatchNorm(4)
+    conv_out = x[start : start + sizes[rank]].to(torch.bfloat16).requires_grad_(True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        conv_out = x[start : start + sizes[rank]].to(torch.bfloat16)
         out = bn(conv_out)
-    return out.dtype, out.float(), bn.running_mean.clone()
+    out.float().sum().backward()
+    assert conv_out.grad.dtype == torch.bfloat16 and torch.isfinite(conv_out.grad).all()
+    assert bn.weight.grad.dtype == torch.float32
+    return out.dtype, out.float().detach(), bn.running_mean.clone()
 
 
 def test_bf16_autocast_input_gives_bf16_output_close_to_fp32():

@@ -147,3 +147,13 @@ def test_bad_input_is_one_line_and_exit_code_2(bad_root, case):
     error_lines = [line for line in out.stderr.splitlines() if "error:" in line]
     assert error_lines and all(line.startswith("paratrain") for line in error_lines)
     assert "Traceback" not in out.stderr
+
+
+def test_check_prints_a_table_and_exits_0(tmp_path):
+    out = run_cli("check", "--nproc", "2", cwd=tmp_path, timeout=180)
+    assert out.returncode == 0, out.stderr
+    for name in ("backends", "rank placement", "all_reduce", "broadcast", "all_gather",
+                 "SyncBatchNorm", "all_reduce 1 MB", "all_reduce 16 MB", "all_reduce 64 MB"):
+        line = next(line for line in out.stdout.splitlines() if line.startswith(name + " "))
+        assert " ok " in line, line
+    assert "FAIL" not in out.stdout

@@ -8,7 +8,7 @@ The result equals single-process BatchNorm over the concatenated batch: outputs,
 gradients, weight and bias gradients (DDP averages those), and the running statistics.
 
 Ranks may hold different numbers of samples (the last batch), even a single one; in eval
-mode no communication happens. Sums are accumulated in float64, so sum-of-squares
+mode no communication happens. Sums are combined in float64, so sum-of-squares
 cancellation does not cost precision, and bf16 input gives bf16 output.
 """
 
@@ -29,16 +29,30 @@ def _all_reduce(tensor: torch.Tensor, group) -> torch.Tensor:
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
+    """Global statistics from one all-reduce; torch's fused kernels for the heavy passes.
+
+    Forward: a fused per-rank var_mean, one all-reduce of (n*mean, n*(var+mean^2), n) in
+    float64, then torch's eval-mode batch_norm kernel with the global statistics.
+    Backward: torch's eval-mode batch_norm backward gives dy*w*invstd and the two local
+    sums in one pass; after the all-reduce of the sums, the terms through the global mean
+    and variance are added.
+    """
+
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked,
                 eps, momentum, group):
         channels = x.shape[1]
         dims = [0, *range(2, x.dim())]
         local_count = x.numel() // channels
-        stats = torch.empty(2 * channels + 1, dtype=torch.float64, device=x.device)
-        torch.sum(x, dims, dtype=torch.float64, out=stats[:channels])
-        torch.sum(x * x, dims, dtype=torch.float64, out=stats[channels : 2 * channels])
-        stats[-1] = local_count
+        stats_input = x if x.dtype in (torch.float32, torch.float64) else x.float()
+        if local_count > 0:
+            local_var, local_mean = torch.var_mean(stats_input, dims, correction=0)
+        else:
+            local_var = local_mean = torch.zeros(channels, device=x.device)
+        # fp32 mean squared is exact in float64, so sum and sum of squares lose nothing here
+        mean64, var64 = local_mean.double(), local_var.double()
+        stats = torch.cat([mean64 * local_count, (var64 + mean64 * mean64) * local_count,
+                           torch.tensor([float(local_count)], dtype=torch.float64, device=x.device)])
         _all_reduce(stats, group)
         count = stats[-1].item()
         if count <= 1:
@@ -47,7 +61,6 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             )
         mean = stats[:channels] / count
         var = (stats[channels : 2 * channels] / count - mean * mean).clamp_(min=0)
-        invstd = torch.rsqrt(var + eps)
 
         if running_mean is not None:
             with torch.no_grad():
@@ -57,36 +70,48 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                 unbiased = var * (count / (count - 1))
                 running_var.mul_(1 - factor).add_(unbiased.to(running_var.dtype), alpha=factor)
 
-        shape = [1, channels] + [1] * (x.dim() - 2)
-        mean32, invstd32 = mean.float().view(shape), invstd.float().view(shape)
-        xhat = (x.float() - mean32) * invstd32
-        out = xhat
-        if weight is not None:
-            out = out * weight.float().view(shape) + bias.float().view(shape)
-        ctx.save_for_backward(xhat, invstd32, weight)
-        ctx.count, ctx.group, ctx.dims, ctx.shape = count, group, dims, shape
-        return out.to(x.dtype)
+        param_dtype = weight.dtype if weight is not None else torch.float32
+        mean, var = mean.to(param_dtype), var.to(param_dtype)
+        out = nn.functional.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)
+        ctx.save_for_backward(x, weight, mean, var)
+        ctx.count, ctx.group, ctx.eps = count, group, eps
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        xhat, invstd, weight = ctx.saved_tensors
-        dy = grad_out.float()
-        channels = xhat.shape[1]
-        sums = torch.empty(2 * channels, dtype=torch.float64, device=dy.device)
-        torch.sum(dy, ctx.dims, dtype=torch.float64, out=sums[:channels])
-        torch.sum(dy * xhat, ctx.dims, dtype=torch.float64, out=sums[channels:])
+        x, weight, mean, var = ctx.saved_tensors
+        channels = x.shape[1]
+        shape = [1, channels] + [1] * (x.dim() - 2)
+        affine = weight if weight is not None else torch.ones_like(mean)
+        grad_out = grad_out.contiguous(memory_format=_memory_format(x))
+        # eval-mode backward: dy*w*invstd, sum(dy*xhat) and sum(dy), fused, on local data
+        grad_x, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+            grad_out, x, affine, mean, var, None, None, False, ctx.eps, [True, True, True]
+        )
         # Weight and bias gradients stay local: DDP averages them like any parameter's.
-        grad_bias = sums[:channels].to(dy.dtype).clone() if weight is not None else None
-        grad_weight = sums[channels:].to(dy.dtype).clone() if weight is not None else None
+        grad_weight = sum_dy_xhat.clone() if weight is not None else None
+        grad_bias = sum_dy.clone() if weight is not None else None
+        sums = torch.cat([sum_dy, sum_dy_xhat]).double()
         _all_reduce(sums, ctx.group)
-        mean_dy = (sums[:channels] / ctx.count).float().view(ctx.shape)
-        mean_dy_xhat = (sums[channels:] / ctx.count).float().view(ctx.shape)
-        scale = invstd if weight is None else invstd * weight.float().view(ctx.shape)
-        grad_x = (dy - mean_dy - xhat * mean_dy_xhat) * scale
-        if weight is not None:
-            grad_weight, grad_bias = grad_weight.to(weight.dtype), grad_bias.to(weight.dtype)
-        return (grad_x.to(grad_out.dtype), grad_weight, grad_bias,
-                None, None, None, None, None, None)
+        invstd = torch.rsqrt(var.double() + ctx.eps)
+        mean_dy = sums[:channels] / ctx.count
+        mean_dy_xhat = sums[channels:] / ctx.count
+        scale = invstd * affine.double()
+        # the terms through the global mean and variance: x*slope + offset, per channel
+        slope = -scale * invstd * mean_dy_xhat
+        offset = -scale * mean_dy - slope * mean.double()
+        grad_x = grad_x.addcmul_(x, slope.to(grad_x.dtype).view(shape)).add_(
+            offset.to(grad_x.dtype).view(shape)
+        )
+        return grad_x, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def _memory_format(x: torch.Tensor) -> torch.memory_format:
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    return torch.contiguous_format
 
 
 class SyncBatchNorm(_BatchNorm):
