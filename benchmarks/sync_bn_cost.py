@@ -42,14 +42,16 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
+    )
     torch.manual_seed(0)
     base = torchvision.models.resnet18(num_classes=10)
     models = {
         "batchnorm": nn.parallel.DistributedDataParallel(base),
-        "syncbn": nn.parallel.DistributedDataParallel(SyncBatchNorm.convert(
-            torchvision.models.resnet18(num_classes=10))),
+        "syncbn": nn.parallel.DistributedDataParallel(
+            SyncBatchNorm.convert(torchvision.models.resnet18(num_classes=10))
+        ),
     }
     x = torch.randn(args.batch_size, 3, args.image_size, args.image_size)
     y = torch.randint(0, 10, (args.batch_size,))
@@ -76,13 +78,16 @@ def main() -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_worker, args=(args.nproc, port, args, out), nprocs=args.nproc,
-                           start_method="spawn")
+        mp.start_processes(
+            _worker, args=(args.nproc, port, args, out), nprocs=args.nproc, start_method="spawn"
+        )
         samples = torch.load(Path(out) / "samples.pt")
     plain = statistics.median(samples["batchnorm"])
     synced = statistics.median(samples["syncbn"])
-    print(f"ResNet-18, {args.nproc} CPU processes, batch {args.batch_size} x "
-          f"{args.image_size}px, forward+backward, median of {len(samples['syncbn'])} steps")
+    print(
+        f"ResNet-18, {args.nproc} CPU processes, batch {args.batch_size} x "
+        f"{args.image_size}px, forward+backward, median of {len(samples['syncbn'])} steps"
+    )
     print(f"  DDP + BatchNorm      {plain * 1e3:8.1f} ms")
     print(f"  DDP + SyncBatchNorm  {synced * 1e3:8.1f} ms")
     print(f"  ratio {synced / plain:.3f} (target <= 1.25)")

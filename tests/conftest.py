@@ -19,8 +19,15 @@ from imagefolders import make_image_folder  # noqa: E402
 def _clean_dist_env(monkeypatch):
     """No test sees a launcher's variables from the shell that ran pytest."""
     for key in list(os.environ):
-        if key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                   "MASTER_PORT", "GROUP_RANK") or key.startswith(("SLURM_", "TORCHELASTIC_")):
+        if key in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "GROUP_RANK",
+        ) or key.startswith(("SLURM_", "TORCHELASTIC_")):
             monkeypatch.delenv(key, raising=False)
     yield
 

@@ -7,8 +7,18 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-PALETTE = [(220, 40, 40), (40, 200, 60), (40, 60, 220), (230, 200, 30), (160, 40, 200),
-           (30, 200, 200), (240, 120, 20), (120, 120, 120), (250, 250, 250), (10, 10, 10)]
+PALETTE = [
+    (220, 40, 40),
+    (40, 200, 60),
+    (40, 60, 220),
+    (230, 200, 30),
+    (160, 40, 200),
+    (30, 200, 200),
+    (240, 120, 20),
+    (120, 120, 120),
+    (250, 250, 250),
+    (10, 10, 10),
+]
 
 
 def make_image_folder(
@@ -23,7 +33,11 @@ def make_image_folder(
     """``root/<class>/*`` (layout "split") or ``root/{train,val}/<class>/*`` ("given")."""
     rng = np.random.default_rng(seed)
     names = [f"class_{i}" for i in range(classes)]
-    subsets = [("", per_class)] if layout == "split" else [("train", per_class), ("val", max(2, per_class // 3))]
+    subsets = (
+        [("", per_class)]
+        if layout == "split"
+        else [("train", per_class), ("val", max(2, per_class // 3))]
+    )
     for subset, count in subsets:
         for c, name in enumerate(names):
             folder = root / subset / name

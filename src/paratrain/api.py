@@ -201,8 +201,9 @@ def _check_alone(rt, timeout_s: float) -> int:
 
     backend = choose_backend(rt.device)
     store = dist.HashStore()
-    dist.init_process_group(backend, store=store, rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend, store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=timeout_s)
+    )
     try:
         rows = run_checks(Runtime(env=rt.env, device=rt.device, backend=backend))
     finally:

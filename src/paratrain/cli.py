@@ -30,43 +30,122 @@ def _positive_int(text: str) -> int:
 
 def _add_train_flags(p: argparse.ArgumentParser) -> None:
     data = p.add_argument_group("data")
-    data.add_argument("--data", default=S, help="image folder: DIR/<class>/* or DIR/{train,val}/<class>/*; default: the embedded digits set")
-    data.add_argument("--val-fraction", type=float, default=S, help="share of each class held out for validation (default 0.2)")
-    data.add_argument("--split-seed", type=int, default=S, help="seed of the train/val split (default 0)")
-    data.add_argument("--image-size", type=_positive_int, default=S, help="training crop size in pixels (default 224)")
-    data.add_argument("--crop-scale-min", type=float, default=S, help="smallest area share of RandomResizedCrop (default 0.08)")
-    data.add_argument("--hflip", type=float, default=S, help="horizontal flip probability (default 0.5)")
-    data.add_argument("--workers", type=_positive_int, default=S, help="loader processes per rank (default: from the cores)")
-    data.add_argument("--cache-dir", default=S, help="where the embedded data set is written (default ~/.cache/paratrain)")
+    data.add_argument(
+        "--data",
+        default=S,
+        help="image folder: DIR/<class>/* or DIR/{train,val}/<class>/*; default: the embedded digits set",
+    )
+    data.add_argument(
+        "--val-fraction",
+        type=float,
+        default=S,
+        help="share of each class held out for validation (default 0.2)",
+    )
+    data.add_argument(
+        "--split-seed", type=int, default=S, help="seed of the train/val split (default 0)"
+    )
+    data.add_argument(
+        "--image-size",
+        type=_positive_int,
+        default=S,
+        help="training crop size in pixels (default 224)",
+    )
+    data.add_argument(
+        "--crop-scale-min",
+        type=float,
+        default=S,
+        help="smallest area share of RandomResizedCrop (default 0.08)",
+    )
+    data.add_argument(
+        "--hflip", type=float, default=S, help="horizontal flip probability (default 0.5)"
+    )
+    data.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=S,
+        help="loader processes per rank (default: from the cores)",
+    )
+    data.add_argument(
+        "--cache-dir",
+        default=S,
+        help="where the embedded data set is written (default ~/.cache/paratrain)",
+    )
     model = p.add_argument_group("model")
-    model.add_argument("--model", default=S, help="torchvision model name (default resnet18; see `paratrain models`)")
-    model.add_argument("--weights", default=S, help="local state dict or paratrain checkpoint to start from")
-    model.add_argument("--weights-strict", action="store_true", default=S, help="any key or shape mismatch in --weights is an error")
+    model.add_argument(
+        "--model",
+        default=S,
+        help="torchvision model name (default resnet18; see `paratrain models`)",
+    )
+    model.add_argument(
+        "--weights", default=S, help="local state dict or paratrain checkpoint to start from"
+    )
+    model.add_argument(
+        "--weights-strict",
+        action="store_true",
+        default=S,
+        help="any key or shape mismatch in --weights is an error",
+    )
     opt = p.add_argument_group("optimisation")
     opt.add_argument("--epochs", type=_positive_int, default=S, help="(default 10)")
-    opt.add_argument("--batch-size", type=_positive_int, default=S, help="per process (default 16); global batch = this x world size")
-    opt.add_argument("--lr", type=float, default=S, help="learning rate for one process (default 0.01)")
-    opt.add_argument("--lr-scaling", choices=["linear", "none"], default=S, help="scale lr with world size (default linear)")
-    opt.add_argument("--lrf", type=float, default=S, help="final lr as a fraction of lr (default 0.1)")
+    opt.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=S,
+        help="per process (default 16); global batch = this x world size",
+    )
+    opt.add_argument(
+        "--lr", type=float, default=S, help="learning rate for one process (default 0.01)"
+    )
+    opt.add_argument(
+        "--lr-scaling",
+        choices=["linear", "none"],
+        default=S,
+        help="scale lr with world size (default linear)",
+    )
+    opt.add_argument(
+        "--lrf", type=float, default=S, help="final lr as a fraction of lr (default 0.1)"
+    )
     opt.add_argument("--momentum", type=float, default=S, help="SGD momentum (default 0.9)")
     opt.add_argument("--weight-decay", type=float, default=S, help="(default 0.005)")
-    opt.add_argument("--warmup-epochs", type=_positive_int, default=S, help="linear warm-up epochs (default 0)")
+    opt.add_argument(
+        "--warmup-epochs", type=_positive_int, default=S, help="linear warm-up epochs (default 0)"
+    )
     opt.add_argument("--seed", type=int, default=S, help="seed of weights and sampling (default 0)")
     par = p.add_argument_group("parallelism")
-    par.add_argument("--nproc", type=_positive_int, default=S, help="processes to start on this machine (default 1)")
-    par.add_argument("--sync-bn", action="store_true", default=S, help="synchronise BatchNorm statistics across processes")
-    par.add_argument("--backend", choices=["gloo", "nccl"], default=S, help="default: nccl on CUDA, gloo on CPU")
-    par.add_argument("--device", default=S, help="cpu, cuda or cuda:N (default: cuda:LOCAL_RANK if present)")
-    par.add_argument("--timeout", type=float, default=S, help="seconds a collective may wait (default 600)")
+    par.add_argument(
+        "--nproc",
+        type=_positive_int,
+        default=S,
+        help="processes to start on this machine (default 1)",
+    )
+    par.add_argument(
+        "--sync-bn",
+        action="store_true",
+        default=S,
+        help="synchronise BatchNorm statistics across processes",
+    )
+    par.add_argument(
+        "--backend", choices=["gloo", "nccl"], default=S, help="default: nccl on CUDA, gloo on CPU"
+    )
+    par.add_argument(
+        "--device", default=S, help="cpu, cuda or cuda:N (default: cuda:LOCAL_RANK if present)"
+    )
+    par.add_argument(
+        "--timeout", type=float, default=S, help="seconds a collective may wait (default 600)"
+    )
     out = p.add_argument_group("output")
     out.add_argument("--output-dir", default=S, help="parent of run directories (default runs)")
     out.add_argument("--name", default=S, help="run directory name (default: a timestamp)")
-    out.add_argument("--resume", default=S, help="checkpoint path, or 'auto' for the newest in the run directory")
+    out.add_argument(
+        "--resume", default=S, help="checkpoint path, or 'auto' for the newest in the run directory"
+    )
     p.add_argument("--config", default=None, help="YAML file of config keys; flags given here win")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="paratrain", description="Train image classifiers in parallel with PyTorch.")
+    parser = _Parser(
+        prog="paratrain", description="Train image classifiers in parallel with PyTorch."
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     train = sub.add_parser("train", help="train a classifier on an image folder")
     _add_train_flags(train)
@@ -78,7 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--nproc", type=_positive_int, default=1)
     ev.add_argument("--json", action="store_true", help="print the result as JSON")
     sub.add_parser("models", help="list the model names --model accepts")
-    check = sub.add_parser("check", help="self-test: backends, collectives, SyncBatchNorm, bandwidth")
+    check = sub.add_parser(
+        "check", help="self-test: backends, collectives, SyncBatchNorm, bandwidth"
+    )
     check.add_argument("--nproc", type=_positive_int, default=2)
     check.add_argument("--backend", choices=["gloo", "nccl"], default=None)
     check.add_argument("--device", default=None)

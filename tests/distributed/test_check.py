@@ -36,8 +36,15 @@ def _checks(rank, world, corrupt_broadcast_on):
 def test_every_check_passes_on_a_healthy_group(world):
     for rows in run_distributed(_checks, world, None):
         names = [name for name, _, _ in rows]
-        assert names == ["backends", "rank placement", "all_reduce", "broadcast", "all_gather",
-                         "SyncBatchNorm", "all_reduce 1 MB"]
+        assert names == [
+            "backends",
+            "rank placement",
+            "all_reduce",
+            "broadcast",
+            "all_gather",
+            "SyncBatchNorm",
+            "all_reduce 1 MB",
+        ]
         assert all(ok for _, ok, _ in rows), rows
         assert f"expected {world * (world + 1) / 2:g}" in rows[2][2]
 

@@ -74,8 +74,16 @@ def _record_training_order(rank, world, data_dir, out_dir):
         return original(self, index)
 
     folder.ImageSamples.__getitem__ = recording
-    cfg = TrainConfig(data=data_dir, model="resnet18", image_size=16, epochs=2, batch_size=4,
-                      workers=0, output_dir=out_dir, name="order")
+    cfg = TrainConfig(
+        data=data_dir,
+        model="resnet18",
+        image_size=16,
+        epochs=2,
+        batch_size=4,
+        workers=0,
+        output_dir=out_dir,
+        name="order",
+    )
     fit(cfg, _runtime())
     half = len(seen) // 2
     return seen[:half], seen[half:]
@@ -98,7 +106,9 @@ def _evaluate(rank, world, data_dir, weights_path):
     model = create_model("resnet18", len(split.classes))
     model.load_state_dict(torch.load(weights_path))
     dataset = ImageSamples(split.val, eval_transform(16))
-    loader = DataLoader(dataset, batch_size=16, sampler=ShardedEvalSampler(len(dataset), rank, world))
+    loader = DataLoader(
+        dataset, batch_size=16, sampler=ShardedEvalSampler(len(dataset), rank, world)
+    )
     return evaluate(model, loader, torch.device("cpu"), len(split.classes)).as_dict()
 
 

@@ -25,8 +25,13 @@ class NoBatchNormNet(nn.Module):
     def __init__(self, classes: int = 10):
         super().__init__()
         self.body = nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 16, 3, stride=2), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, classes),
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(8, 16, 3, stride=2),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(16, classes),
         )
 
     def forward(self, x):
@@ -34,8 +39,9 @@ class NoBatchNormNet(nn.Module):
 
 
 def _one_step(rank, world, model_name, sync_bn):
-    cfg = TrainConfig(model="resnet18", image_size=SIZE, sync_bn=sync_bn, lr=0.1,
-                      lr_scaling="none", seed=3)
+    cfg = TrainConfig(
+        model="resnet18", image_size=SIZE, sync_bn=sync_bn, lr=0.1, lr_scaling="none", seed=3
+    )
     torch.manual_seed(0)
     x = torch.randn(GLOBAL_BATCH, 3, SIZE, SIZE)
     y = torch.randint(0, 10, (GLOBAL_BATCH,))
@@ -46,8 +52,9 @@ def _one_step(rank, world, model_name, sync_bn):
         model = NoBatchNormNet()
     else:
         model = build_model(cfg, 10)
-    runtime = Runtime(env=detect(os.environ), device=torch.device("cpu"),
-                      backend="gloo" if world > 1 else None)
+    runtime = Runtime(
+        env=detect(os.environ), device=torch.device("cpu"), backend="gloo" if world > 1 else None
+    )
     parts = parallelize(model, cfg, runtime)
     optimizer = build_optimizer(parts, cfg, world)
     before = parts.state_dict()

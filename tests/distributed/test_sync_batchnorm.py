@@ -45,8 +45,12 @@ def _reference(kind: int, sizes: list[int], channels_last: bool, steps: int = 2)
         out = bn(inp)
         (out * g).sum().backward()
     return {
-        "out": out.detach(), "grad_x": xs.grad, "grad_w": bn.weight.grad, "grad_b": bn.bias.grad,
-        "running_mean": bn.running_mean, "running_var": bn.running_var,
+        "out": out.detach(),
+        "grad_x": xs.grad,
+        "grad_w": bn.weight.grad,
+        "grad_b": bn.bias.grad,
+        "running_mean": bn.running_mean,
+        "running_var": bn.running_var,
         "num_batches_tracked": bn.num_batches_tracked,
     }
 
@@ -65,8 +69,12 @@ def _sync_rank(rank, world, kind, sizes, channels_last, steps=2):
         out = bn(inp)
         (out * g).sum().backward()
     return {
-        "out": out.detach(), "grad_x": xs.grad, "grad_w": bn.weight.grad, "grad_b": bn.bias.grad,
-        "running_mean": bn.running_mean, "running_var": bn.running_var,
+        "out": out.detach(),
+        "grad_x": xs.grad,
+        "grad_w": bn.weight.grad,
+        "grad_b": bn.bias.grad,
+        "running_mean": bn.running_mean,
+        "running_var": bn.running_var,
         "num_batches_tracked": bn.num_batches_tracked,
         "channels_last": out.is_contiguous(memory_format=torch.channels_last),
     }
@@ -78,10 +86,16 @@ def _check_against_reference(results, reference, atol=1e-5):
     torch.testing.assert_close(out, reference["out"], rtol=1e-5, atol=atol)
     torch.testing.assert_close(grad_x, reference["grad_x"], rtol=1e-5, atol=atol)
     # each rank holds its share of the parameter gradient; DDP sums (averages) them
-    torch.testing.assert_close(sum(r["grad_w"] for r in results), reference["grad_w"], rtol=1e-5, atol=atol)
-    torch.testing.assert_close(sum(r["grad_b"] for r in results), reference["grad_b"], rtol=1e-5, atol=atol)
+    torch.testing.assert_close(
+        sum(r["grad_w"] for r in results), reference["grad_w"], rtol=1e-5, atol=atol
+    )
+    torch.testing.assert_close(
+        sum(r["grad_b"] for r in results), reference["grad_b"], rtol=1e-5, atol=atol
+    )
     for r in results:
-        torch.testing.assert_close(r["running_mean"], reference["running_mean"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            r["running_mean"], reference["running_mean"], rtol=1e-5, atol=1e-6
+        )
         torch.testing.assert_close(r["running_var"], reference["running_var"], rtol=1e-5, atol=1e-6)
         assert int(r["num_batches_tracked"]) == int(reference["num_batches_tracked"])
 
@@ -89,10 +103,10 @@ def _check_against_reference(results, reference, atol=1e-5):
 @pytest.mark.parametrize(
     "kind, sizes, channels_last",
     [
-        (2, [4, 4], False),       # even split
-        (2, [5, 2], True),        # ranks with different batch sizes, channels_last input
-        (1, [1, 6], False),       # a single sample on one rank; BatchNorm1d
-        (3, [3, 2, 1], False),    # 3 ranks, BatchNorm3d, uneven
+        (2, [4, 4], False),  # even split
+        (2, [5, 2], True),  # ranks with different batch sizes, channels_last input
+        (1, [1, 6], False),  # a single sample on one rank; BatchNorm1d
+        (3, [3, 2, 1], False),  # 3 ranks, BatchNorm3d, uneven
     ],
 )
 def test_sync_bn_equals_batchnorm_over_the_concatenated_batch(kind, sizes, channels_last):
@@ -143,8 +157,9 @@ def test_bf16_autocast_input_gives_bf16_output_close_to_fp32():
     x, _ = _global_batch(2, sizes)
     reference = nn.BatchNorm2d(4)(x.to(torch.bfloat16).float())
     assert all(dtype == torch.bfloat16 for dtype, _, _ in results)
-    torch.testing.assert_close(torch.cat([o for _, o, _ in results]), reference.detach(),
-                               rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(
+        torch.cat([o for _, o, _ in results]), reference.detach(), rtol=2e-2, atol=2e-2
+    )
 
 
 def _plain_bn_rank(rank, world, sizes):

@@ -23,7 +23,11 @@ def run_cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.Completed
     env["PARATRAIN_CACHE"] = str(cwd / "cache")
     return subprocess.run(
         [sys.executable, "-m", "paratrain", *args],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -32,12 +36,37 @@ def trained(tmp_path_factory):
     """One 2-process epoch, then --resume auto to a second epoch."""
     root = tmp_path_factory.mktemp("e2e")
     data = make_image_folder(root / "data", classes=3, per_class=12)
-    first = run_cli("train", "--data", str(data), "--nproc", "2", "--epochs", "1",
-                    "--name", "r1", *FAST, cwd=root)
-    files_after_first = sorted(p.relative_to(root / "runs" / "r1").as_posix()
-                               for p in (root / "runs" / "r1").rglob("*") if p.is_file())
-    second = run_cli("train", "--data", str(data), "--nproc", "2", "--epochs", "2",
-                     "--resume", "auto", *FAST, cwd=root)
+    first = run_cli(
+        "train",
+        "--data",
+        str(data),
+        "--nproc",
+        "2",
+        "--epochs",
+        "1",
+        "--name",
+        "r1",
+        *FAST,
+        cwd=root,
+    )
+    files_after_first = sorted(
+        p.relative_to(root / "runs" / "r1").as_posix()
+        for p in (root / "runs" / "r1").rglob("*")
+        if p.is_file()
+    )
+    second = run_cli(
+        "train",
+        "--data",
+        str(data),
+        "--nproc",
+        "2",
+        "--epochs",
+        "2",
+        "--resume",
+        "auto",
+        *FAST,
+        cwd=root,
+    )
     return root, data, first, files_after_first, second
 
 
@@ -45,14 +74,22 @@ def test_two_process_epoch_writes_every_run_file(trained):
     root, data, first, files, _ = trained
     assert first.returncode == 0, first.stderr
     assert files == [
-        "checkpoints/best.pt", "checkpoints/last.pt", "class_indices.json", "config.yaml",
-        "metrics.csv", "metrics.jsonl", "summary.json",
+        "checkpoints/best.pt",
+        "checkpoints/last.pt",
+        "class_indices.json",
+        "config.yaml",
+        "metrics.csv",
+        "metrics.jsonl",
+        "summary.json",
     ]
     assert "2 process(es) on cpu (gloo)" in first.stdout
     assert "global batch 8 (4 x 2), lr 0.02 (base 0.01, scaling linear)" in first.stdout
     assert first.stdout.count("epoch 1/1") == 1  # rank 0 speaks, rank 1 stays quiet
     assert json.loads((root / "runs/r1/class_indices.json").read_text()) == {
-        "0": "class_0", "1": "class_1", "2": "class_2"}
+        "0": "class_0",
+        "1": "class_1",
+        "2": "class_2",
+    }
     assert "Traceback" not in first.stderr
 
 
@@ -75,8 +112,9 @@ def test_eval_counts_each_image_once_at_any_world_size(trained):
     root, data, *_ = trained
     ckpt = str(root / "runs/r1/checkpoints/last.pt")
     one = run_cli("eval", "--checkpoint", ckpt, "--data", str(data), "--json", cwd=root)
-    two = run_cli("eval", "--checkpoint", ckpt, "--data", str(data), "--json", "--nproc", "2",
-                  cwd=root)
+    two = run_cli(
+        "eval", "--checkpoint", ckpt, "--data", str(data), "--json", "--nproc", "2", cwd=root
+    )
     assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
     a, b = json.loads(one.stdout), json.loads(two.stdout.strip().splitlines()[-1])
     assert a["count"] == b["count"] == 6
@@ -108,20 +146,40 @@ def _bad_inputs(root: Path) -> dict[str, tuple[list[str], str]]:
         victim.write_bytes(victim.read_bytes()[:40])  # truncated JPEGs on every rank's shard
     d = str(good)
     return {
-        "missing data": (["--data", str(root / "nope")], f"data directory does not exist: {root / 'nope'}"),
+        "missing data": (
+            ["--data", str(root / "nope")],
+            f"data directory does not exist: {root / 'nope'}",
+        ),
         "empty data": (["--data", str(root / "empty")], "data directory is empty"),
         "no class folders": (["--data", str(root / "flat")], "no class folders"),
         "empty class": (["--data", str(empty_class)], "class folder has no images"),
         "one image": (["--data", str(small)], "has 1 image; at least 2"),
         "classes differ": (["--data", str(differ)], "train/val class folders differ"),
         "unknown model": (["--data", d, "--model", "resnet17"], "unknown model 'resnet17'"),
-        "not weights": (["--data", d, "--weights", str(root / "notweights.pt")], "could not be read as a state dict"),
+        "not weights": (
+            ["--data", d, "--weights", str(root / "notweights.pt")],
+            "could not be read as a state dict",
+        ),
         "nproc 0": (["--data", d, "--nproc", "0"], "--nproc must be at least 1, got 0"),
         "batch 0": (["--data", d, "--batch-size", "0"], "--batch-size must be at least 1, got 0"),
         "bad flag": (["--data", d, "--epochs", "many"], "expected an integer, got 'many'"),
-        "corrupt image on the ranks": (["--data", str(corrupt), "--nproc", "2", "--model", "resnet18",
-                                        "--image-size", "16", "--batch-size", "2", "--workers", "1"],
-                                       "cannot read image"),
+        "corrupt image on the ranks": (
+            [
+                "--data",
+                str(corrupt),
+                "--nproc",
+                "2",
+                "--model",
+                "resnet18",
+                "--image-size",
+                "16",
+                "--batch-size",
+                "2",
+                "--workers",
+                "1",
+            ],
+            "cannot read image",
+        ),
     }
 
 
@@ -131,8 +189,17 @@ def bad_root(tmp_path_factory):
 
 
 BAD_CASES = [
-    "missing data", "empty data", "no class folders", "empty class", "one image",
-    "classes differ", "unknown model", "not weights", "nproc 0", "batch 0", "bad flag",
+    "missing data",
+    "empty data",
+    "no class folders",
+    "empty class",
+    "one image",
+    "classes differ",
+    "unknown model",
+    "not weights",
+    "nproc 0",
+    "batch 0",
+    "bad flag",
     "corrupt image on the ranks",
 ]
 
@@ -152,8 +219,17 @@ def test_bad_input_is_one_line_and_exit_code_2(bad_root, case):
 def test_check_prints_a_table_and_exits_0(tmp_path):
     out = run_cli("check", "--nproc", "2", cwd=tmp_path, timeout=180)
     assert out.returncode == 0, out.stderr
-    for name in ("backends", "rank placement", "all_reduce", "broadcast", "all_gather",
-                 "SyncBatchNorm", "all_reduce 1 MB", "all_reduce 16 MB", "all_reduce 64 MB"):
+    for name in (
+        "backends",
+        "rank placement",
+        "all_reduce",
+        "broadcast",
+        "all_gather",
+        "SyncBatchNorm",
+        "all_reduce 1 MB",
+        "all_reduce 16 MB",
+        "all_reduce 64 MB",
+    ):
         line = next(line for line in out.stdout.splitlines() if line.startswith(name + " "))
         assert " ok " in line, line
     assert "FAIL" not in out.stdout

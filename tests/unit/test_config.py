@@ -20,8 +20,13 @@ def test_unknown_key_and_wrong_type():
 
 @pytest.mark.parametrize(
     "values, flag",
-    [({"nproc": 0}, "--nproc"), ({"batch_size": 0}, "--batch-size"), ({"epochs": 0}, "--epochs"),
-     ({"val_fraction": 1.0}, "--val-fraction"), ({"lr": -1.0}, "--lr")],
+    [
+        ({"nproc": 0}, "--nproc"),
+        ({"batch_size": 0}, "--batch-size"),
+        ({"epochs": 0}, "--epochs"),
+        ({"val_fraction": 1.0}, "--val-fraction"),
+        ({"lr": -1.0}, "--lr"),
+    ],
 )
 def test_validation_names_the_flag(values, flag):
     with pytest.raises(UserError, match=flag):

@@ -20,7 +20,9 @@ def test_split_is_deterministic_and_per_class(tmp_path):
     assert build_split(root, 0.2, seed=1).val != a.val
 
 
-@pytest.mark.parametrize("fraction, per_class, n_val", [(0.2, 10, 2), (0.5, 7, 4), (0.1, 3, 1), (0.9, 2, 1)])
+@pytest.mark.parametrize(
+    "fraction, per_class, n_val", [(0.2, 10, 2), (0.5, 7, 4), (0.1, 3, 1), (0.9, 2, 1)]
+)
 def test_val_fraction_rounds_and_keeps_both_sides(tmp_path, fraction, per_class, n_val):
     root = make_image_folder(tmp_path / "d", classes=2, per_class=per_class)
     split = build_split(root, fraction)
@@ -34,7 +36,11 @@ def test_given_train_val_layout_is_used_as_is(tmp_path):
     assert split.layout == "given"
     assert len(split.train) == 27 and len(split.val) == 9
     assert all("/train/" in p for p, _ in split.train) and all("/val/" in p for p, _ in split.val)
-    assert json.loads(json.dumps(split.class_index())) == {"0": "class_0", "1": "class_1", "2": "class_2"}
+    assert json.loads(json.dumps(split.class_index())) == {
+        "0": "class_0",
+        "1": "class_1",
+        "2": "class_2",
+    }
 
 
 def test_missing_and_empty_directories(tmp_path):
@@ -65,5 +71,7 @@ def test_empty_class_and_too_small_class(tmp_path):
 def test_train_val_class_sets_must_match(tmp_path):
     root = make_image_folder(tmp_path / "d", classes=3, per_class=6, layout="given")
     (root / "val" / "class_2").rename(root / "val" / "class_9")
-    with pytest.raises(UserError, match=r"only in train: \['class_2'\].*only in val: \['class_9'\]"):
+    with pytest.raises(
+        UserError, match=r"only in train: \['class_2'\].*only in val: \['class_9'\]"
+    ):
         build_split(root)

@@ -8,8 +8,15 @@ from paratrain.models.registry import create_model, list_models, load_weights, r
 
 def test_models_list_holds_the_classics():
     names = list_models()
-    for name in ("resnet18", "resnet34", "resnet50", "mobilenet_v3_small", "efficientnet_b0",
-                 "convnext_tiny", "vit_b_16"):
+    for name in (
+        "resnet18",
+        "resnet34",
+        "resnet50",
+        "mobilenet_v3_small",
+        "efficientnet_b0",
+        "convnext_tiny",
+        "vit_b_16",
+    ):
         assert name in names
 
 
@@ -36,7 +43,9 @@ def test_partial_load_skips_the_1000_class_head(tmp_path):
     assert set(report.missing) == {"fc.weight", "fc.bias"}
     assert len(report.loaded) == len(source.state_dict()) - 2
     assert torch.equal(model.conv1.weight, source.conv1.weight)
-    assert "skipped fc.weight: shape (1000, 512) in file, (5, 512) in model" in report.summary(str(path))
+    assert "skipped fc.weight: shape (1000, 512) in file, (5, 512) in model" in report.summary(
+        str(path)
+    )
     with pytest.raises(UserError, match="--weights-strict"):
         load_weights(create_model("resnet18", 5), read_state_dict(path), strict=True)
 

@@ -21,9 +21,9 @@ from paratrain.data.transforms import eval_transform, train_transform
 from paratrain.dist import comm
 from paratrain.dist.runtime import Runtime, seed_everything, threads_per_process
 from paratrain.engine import checkpoint
-from paratrain.errors import UserError
 from paratrain.engine.evaluate import evaluate, logits_of
 from paratrain.engine.schedule import build_scheduler, effective_lr
+from paratrain.errors import UserError
 from paratrain.models.registry import create_model, load_weights, read_state_dict
 from paratrain.parallel import ModelParts, parallelize
 from paratrain.report.log import get_logger
@@ -78,7 +78,9 @@ def build_optimizer(parts: ModelParts, cfg: TrainConfig, world_size: int) -> tor
     )
 
 
-def train_one_epoch(parts: ModelParts, loader: DataLoader, optimizer, rt: Runtime, bar) -> EpochStats:
+def train_one_epoch(
+    parts: ModelParts, loader: DataLoader, optimizer, rt: Runtime, bar
+) -> EpochStats:
     parts.train()
     start = time.perf_counter()
     totals = torch.zeros(3, dtype=torch.float64)  # loss*n, correct, n

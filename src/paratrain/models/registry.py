@@ -80,7 +80,9 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many types for a file that is not a pickle
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"weights file {path} could not be read as a state dict: {reason}") from None
+        raise UserError(
+            f"weights file {path} could not be read as a state dict: {reason}"
+        ) from None
     if isinstance(obj, Mapping) and isinstance(obj.get("model"), Mapping):
         obj = obj["model"]  # a paratrain checkpoint
     elif isinstance(obj, Mapping) and isinstance(obj.get("state_dict"), Mapping):

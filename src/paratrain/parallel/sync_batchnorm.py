@@ -39,8 +39,9 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked,
-                eps, momentum, group):
+    def forward(
+        ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, eps, momentum, group
+    ):
         channels = x.shape[1]
         dims = [0, *range(2, x.dim())]
         local_count = x.numel() // channels
@@ -51,8 +52,13 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             local_var = local_mean = torch.zeros(channels, device=x.device)
         # fp32 mean squared is exact in float64, so sum and sum of squares lose nothing here
         mean64, var64 = local_mean.double(), local_var.double()
-        stats = torch.cat([mean64 * local_count, (var64 + mean64 * mean64) * local_count,
-                           torch.tensor([float(local_count)], dtype=torch.float64, device=x.device)])
+        stats = torch.cat(
+            [
+                mean64 * local_count,
+                (var64 + mean64 * mean64) * local_count,
+                torch.tensor([float(local_count)], dtype=torch.float64, device=x.device),
+            ]
+        )
         _all_reduce(stats, group)
         count = stats[-1].item()
         if count <= 1:
@@ -117,9 +123,17 @@ def _memory_format(x: torch.Tensor) -> torch.memory_format:
 class SyncBatchNorm(_BatchNorm):
     """BatchNorm over the whole global batch, for any number of spatial dims (1d/2d/3d)."""
 
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
-                 affine: bool = True, track_running_stats: bool = True, process_group=None,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group=None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
         self.process_group = process_group
 
@@ -136,11 +150,15 @@ class SyncBatchNorm(_BatchNorm):
             )
         track = self.training and self.track_running_stats
         return _SyncBatchNormFunction.apply(
-            x, self.weight, self.bias,
+            x,
+            self.weight,
+            self.bias,
             self.running_mean if track else None,
             self.running_var if track else None,
             self.num_batches_tracked if track else None,
-            self.eps, self.momentum, self.process_group,
+            self.eps,
+            self.momentum,
+            self.process_group,
         )
 
     @classmethod
@@ -148,8 +166,14 @@ class SyncBatchNorm(_BatchNorm):
         """Replace every BatchNorm in ``module`` by a SyncBatchNorm with the same state."""
         converted = module
         if isinstance(module, _BatchNorm) and not isinstance(module, cls | nn.SyncBatchNorm):
-            converted = cls(module.num_features, module.eps, module.momentum, module.affine,
-                            module.track_running_stats, process_group)
+            converted = cls(
+                module.num_features,
+                module.eps,
+                module.momentum,
+                module.affine,
+                module.track_running_stats,
+                process_group,
+            )
             if module.affine:
                 with torch.no_grad():
                     converted.weight = module.weight
