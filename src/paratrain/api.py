@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -67,7 +68,16 @@ def train(config: TrainConfig, argv: Sequence[str] | None = None) -> dict | None
         from paratrain.dist.launch import launch
 
         preflight(config)
-        code = launch(config.nproc, argv if argv is not None else _argv_for(config))
+        if not config.name and not config.resume:
+            # restarted workers must find this run again, so its name is fixed up front
+            config.name = time.strftime("%Y%m%d-%H%M%S")
+            argv = [*argv, "--name", config.name] if argv is not None else None
+        code = launch(
+            config.nproc,
+            argv if argv is not None else _argv_for(config),
+            max_restarts=config.max_restarts,
+            master_port=config.master_port,
+        )
         if code:
             raise SystemExit(code)
         return None

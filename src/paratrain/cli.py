@@ -133,6 +133,58 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     par.add_argument(
         "--timeout", type=float, default=S, help="seconds a collective may wait (default 600)"
     )
+    par.add_argument(
+        "--max-restarts",
+        type=_positive_int,
+        default=S,
+        help="with --nproc: restart all workers this often after a failure; they resume "
+        "from the last checkpoint (default 0)",
+    )
+    par.add_argument(
+        "--master-port",
+        type=_positive_int,
+        default=S,
+        help="with --nproc: the rendezvous port (default: a free one)",
+    )
+    fail = p.add_argument_group("failures and checkpoints")
+    fail.add_argument(
+        "--keep",
+        type=_positive_int,
+        default=S,
+        help="also keep the newest K epoch checkpoints (default 0)",
+    )
+    fail.add_argument(
+        "--save-every-steps",
+        type=_positive_int,
+        default=S,
+        help="also save last.pt every N steps (default 0: at the end of epochs only)",
+    )
+    fail.add_argument(
+        "--deterministic",
+        action="store_true",
+        default=S,
+        help="deterministic algorithms: a resumed run ends bit for bit like an uninterrupted one on CPU",
+    )
+    fail.add_argument(
+        "--on-nonfinite",
+        choices=["abort", "skip"],
+        default=S,
+        help="a NaN/inf loss on any rank: stop every rank, or skip the step on every rank "
+        "(default abort)",
+    )
+    fail.add_argument(
+        "--requeue",
+        action="store_true",
+        default=S,
+        help="under SLURM: after saving on SIGUSR1/SIGTERM, requeue the job (scontrol requeue)",
+    )
+    fail.add_argument(
+        "--preempt-grace",
+        type=float,
+        default=S,
+        help="seconds a rank may take to reach a step boundary after SIGTERM/SIGUSR1 "
+        "before it exits anyway (default 20)",
+    )
     out = p.add_argument_group("output")
     out.add_argument("--output-dir", default=S, help="parent of run directories (default runs)")
     out.add_argument("--name", default=S, help="run directory name (default: a timestamp)")
@@ -170,20 +222,44 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    from paratrain.engine.preempt import Preempted
+
     try:
         return _dispatch(args, argv)
     except UserError as exc:
         _report(str(exc))
         return exc.exit_code
+    except Preempted as exc:
+        print(f"paratrain: {_where()}{exc}", file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
         print("paratrain: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        from paratrain.dist.launch import PEER_LOST, is_peer_loss
+
+        if is_peer_loss(exc):  # a consequence of another rank's failure, not a cause
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            print(
+                f"paratrain: error: {_where()}lost contact with another rank: {first}",
+                file=sys.stderr,
+            )
+            return PEER_LOST
+        # not the user's doing: keep the traceback, and say which rank it came from
+        import traceback
+
+        traceback.print_exc()
+        print(f"paratrain: error: {_where()}{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _where() -> str:
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    return f"[rank {rank}] " if rank is not None and world not in (None, "1") else ""
 
 
 def _report(message: str) -> None:
-    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
-    where = f"[rank {rank}] " if rank is not None and world not in (None, "1") else ""
-    print(f"paratrain: error: {where}{one_line(message)}", file=sys.stderr)
+    print(f"paratrain: error: {_where()}{one_line(message)}", file=sys.stderr)
 
 
 def one_line(message: str) -> str:

@@ -51,6 +51,15 @@ class TrainConfig:
     backend: str | None = None
     device: str | None = None
     timeout: float = 600.0
+    max_restarts: int = 0
+    master_port: int | None = None
+    # failures and checkpoints
+    keep: int = 0
+    save_every_steps: int = 0
+    deterministic: bool = False
+    on_nonfinite: str = "abort"
+    requeue: bool = False
+    preempt_grace: float = 20.0
     # output
     output_dir: str = "runs"
     name: str | None = None
@@ -81,6 +90,15 @@ class TrainConfig:
             raise UserError(f"--lr-scaling must be 'linear' or 'none', got {self.lr_scaling!r}")
         if self.backend not in (None, "gloo", "nccl"):
             raise UserError(f"--backend must be 'gloo' or 'nccl', got {self.backend!r}")
+        _at_least("--max-restarts", self.max_restarts, 0)
+        _at_least("--keep", self.keep, 0)
+        _at_least("--save-every-steps", self.save_every_steps, 0)
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise UserError(
+                f"--master-port must be a port number (1-65535), got {self.master_port}"
+            )
+        if self.on_nonfinite not in ("abort", "skip"):
+            raise UserError(f"--on-nonfinite must be 'abort' or 'skip', got {self.on_nonfinite!r}")
         if self.timeout <= 0:
             raise UserError(f"--timeout must be positive, got {self.timeout}")
         return self

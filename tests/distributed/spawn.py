@@ -51,7 +51,9 @@ def run_distributed(fn, world_size: int, *args):
             args=(world_size, free_port(), fn, args, out_dir),
             nprocs=world_size,
             join=True,
-            start_method="spawn",
+            # fork: children share the parent's imported torch (seconds saved per rank);
+            # each child sets one intra-op thread before any parallel work.
+            start_method="fork",
         )
         return [
             torch.load(Path(out_dir) / f"{r}.pt", weights_only=False) for r in range(world_size)

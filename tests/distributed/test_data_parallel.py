@@ -68,10 +68,10 @@ def _record_training_order(rank, world, data_dir, out_dir):
     seen: list[int] = []
     original = folder.ImageSamples.__getitem__
 
-    def recording(self, index):
-        if self.transform is not None and "RandomResizedCrop" in repr(self.transform):
-            seen.append(index)
-        return original(self, index)
+    def recording(self, key):
+        if isinstance(key, tuple):  # training items are (index, augmentation seed)
+            seen.append(key[0])
+        return original(self, key)
 
     folder.ImageSamples.__getitem__ = recording
     cfg = TrainConfig(

@@ -144,7 +144,16 @@ class ImageSamples(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int]:
+        """``key`` is an index, or (index, seed) from the training sampler: then the random
+        transform is seeded per sample, so augmentation is reproducible anywhere."""
+        index, seed = key if isinstance(key, tuple) else (key, None)
         path, label = self.samples[index]
         image = load_rgb(path)
-        return (self.transform(image) if self.transform else image), label
+        if self.transform is None:
+            return image, label
+        if seed is None:
+            return self.transform(image), label
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return self.transform(image), label

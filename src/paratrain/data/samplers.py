@@ -1,21 +1,58 @@
-"""Samplers: shuffled shards for training, exact (unpadded) shards for evaluation."""
+"""Samplers: resumable shuffled shards for training, exact (unpadded) shards for evaluation."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
-from torch.utils.data import DistributedSampler, Sampler
+import torch
+from torch.utils.data import Sampler
 
 
-def train_sampler(dataset_len: int, rank: int, world_size: int, seed: int) -> DistributedSampler:
-    """torch's DistributedSampler; the trainer calls set_epoch() every epoch.
+def sample_seed(seed: int, epoch: int, position: int) -> int:
+    """The augmentation seed of one sample: a function of where it stands in the epoch's
+    global order, so crops and flips do not depend on the rank, the world size, the
+    number of loader workers, or on whether the epoch was interrupted and resumed."""
+    return (seed * 1_000_003 + epoch * 10_000_019 + position * 7_919) % (2**63 - 1)
 
-    It pads the last round by repeating samples so every rank runs the same number of
-    steps (which DDP needs); evaluation does not pad.
+
+class TrainSampler(Sampler[tuple[int, int]]):
+    """torch's DistributedSampler order, resumable in the middle of an epoch.
+
+    The epoch's order is a permutation seeded by ``seed + epoch`` (as DistributedSampler
+    does), padded by repeating its head to a multiple of the world size; rank r takes
+    positions r, r+W, r+2W, ... ``set_epoch(epoch, consumed)`` skips the first
+    ``consumed`` positions of the global order — the samples already trained on — so a
+    resumed epoch neither repeats nor skips a sample, whatever the world size was before.
+    Each item is ``(index, augmentation seed)``.
     """
-    return DistributedSampler(
-        range(dataset_len), num_replicas=world_size, rank=rank, shuffle=True, seed=seed
-    )
+
+    def __init__(self, dataset_len: int, rank: int, world_size: int, seed: int = 0):
+        self.n, self.rank, self.world_size, self.seed = dataset_len, rank, world_size, seed
+        self.epoch, self.consumed = 0, 0
+
+    def set_epoch(self, epoch: int, consumed: int = 0) -> None:
+        self.epoch, self.consumed = epoch, consumed
+
+    def _global_order(self) -> list[int]:
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.n, generator=generator).tolist()
+        total = math.ceil(self.n / self.world_size) * self.world_size
+        return order + (order * math.ceil(total / max(self.n, 1)))[: total - self.n]
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        order = self._global_order()
+        for position in range(self.consumed + self.rank, len(order), self.world_size):
+            yield order[position], sample_seed(self.seed, self.epoch, position)
+
+    def __len__(self) -> int:
+        total = math.ceil(self.n / self.world_size) * self.world_size
+        return len(range(self.consumed + self.rank, total, self.world_size))
+
+
+def train_sampler(dataset_len: int, rank: int, world_size: int, seed: int) -> TrainSampler:
+    return TrainSampler(dataset_len, rank, world_size, seed)
 
 
 class ShardedEvalSampler(Sampler[int]):

@@ -64,3 +64,10 @@ def find_resumable(output_dir: Path, name: str | None) -> Path | None:
         output_dir.glob(f"*/checkpoints/{LAST}"), key=lambda p: p.stat().st_mtime, reverse=True
     )
     return found[0] if found else None
+
+
+def prune_epochs(directory: Path, keep: int) -> None:
+    """Keep the newest ``keep`` epoch-NNNN.pt files (last.pt and best.pt are separate)."""
+    epochs = sorted(directory.glob("epoch-*.pt"))
+    for old in epochs[: max(0, len(epochs) - keep)]:
+        old.unlink(missing_ok=True)

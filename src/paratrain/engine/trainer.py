@@ -1,12 +1,17 @@
-"""fit(): the training loop, short enough to read on one screen."""
+"""fit(): the training loop, short enough to read on one screen.
+
+Checkpointing, preemption, non-finite losses and progress live in small helpers the loop
+calls (StepControl, Checkpointer), not in the loop itself.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,9 +25,11 @@ from paratrain.data.samplers import ShardedEvalSampler, train_sampler
 from paratrain.data.transforms import eval_transform, train_transform
 from paratrain.dist import comm
 from paratrain.dist.runtime import Runtime, seed_everything, threads_per_process
-from paratrain.engine import checkpoint
+from paratrain.engine import checkpoint, faults
 from paratrain.engine.evaluate import evaluate, logits_of
-from paratrain.engine.schedule import build_scheduler, effective_lr
+from paratrain.engine.preempt import Preempted, PreemptionGuard, requeue
+from paratrain.engine.schedule import build_scheduler, effective_lr, lr_factor
+from paratrain.engine.state import gathered_rng_states, restore_rng
 from paratrain.errors import UserError
 from paratrain.models.registry import create_model, load_weights, read_state_dict
 from paratrain.parallel import ModelParts, parallelize
@@ -30,12 +37,20 @@ from paratrain.report.log import get_logger
 from paratrain.report.metrics import MetricsWriter, format_epoch
 
 
+class NonFiniteLoss(UserError):
+    exit_code = 3
+
+
 @dataclass
-class EpochStats:
-    loss: float
-    acc: float
-    images: int
-    seconds: float
+class Progress:
+    """Where training stands: enough to resume in the middle of an epoch."""
+
+    epoch: int = 0  # the epoch being trained (0-based)
+    step_in_epoch: int = 0  # optimizer steps done in it
+    global_step: int = 0
+    skipped_steps: int = 0
+    best_top1: float = -1.0
+    totals: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))
 
 
 def default_workers(local_world_size: int) -> int:
@@ -55,7 +70,7 @@ def make_loaders(cfg: TrainConfig, split: DataSplit, rt: Runtime):
         split.train, train_transform(cfg.image_size, cfg.crop_scale_min, cfg.hflip)
     )
     sampler = train_sampler(len(train_set), rt.rank, rt.world_size, cfg.seed)
-    train_loader = DataLoader(train_set, sampler=sampler, drop_last=False, **common)
+    train_loader = DataLoader(train_set, sampler=sampler, **common)
     val_set = ImageSamples(split.val, eval_transform(cfg.image_size))
     val_sampler = ShardedEvalSampler(len(val_set), rt.rank, rt.world_size)
     return train_loader, DataLoader(val_set, sampler=val_sampler, **common), workers
@@ -78,12 +93,91 @@ def build_optimizer(parts: ModelParts, cfg: TrainConfig, world_size: int) -> tor
     )
 
 
+class Checkpointer:
+    """Whole-state checkpoints: last.pt (every save), best.pt, the newest --keep epochs."""
+
+    def __init__(self, cfg, run_dir: Path, rt: Runtime, parts, optimizer, scheduler, classes):
+        self.cfg, self.dir, self.rt = cfg, run_dir / "checkpoints", rt
+        self.parts, self.optimizer, self.scheduler, self.classes = (
+            parts,
+            optimizer,
+            scheduler,
+            classes,
+        )
+
+    def save(self, progress: Progress, val_top1: float | None = None) -> None:
+        rng = gathered_rng_states()  # a collective: every rank takes part
+        if not self.rt.is_main:
+            return
+        state = {
+            "model": self.parts.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": None,
+            "epoch": progress.epoch,
+            "step_in_epoch": progress.step_in_epoch,
+            "consumed": progress.step_in_epoch * self.cfg.batch_size * self.rt.world_size,
+            "global_step": progress.global_step,
+            "skipped_steps": progress.skipped_steps,
+            "partial_totals": progress.totals.clone(),
+            "best_top1": progress.best_top1,
+            "val_top1": val_top1,
+            "rng": rng,
+            "classes": self.classes,
+            "config": self.cfg.to_dict(),
+            "world_size": self.rt.world_size,
+            "lr": self.optimizer.param_groups[0]["lr"],
+        }
+        checkpoint.save_atomic(state, self.dir / checkpoint.LAST)
+        if val_top1 is None:
+            return
+        if val_top1 >= progress.best_top1:
+            checkpoint.save_atomic(state, self.dir / checkpoint.BEST)
+        if self.cfg.keep:
+            checkpoint.save_atomic(state, self.dir / f"epoch-{progress.epoch:04d}.pt")
+            checkpoint.prune_epochs(self.dir, self.cfg.keep)
+
+
+class StepControl:
+    """Per-step decisions every rank must agree on: non-finite loss, preemption, saves."""
+
+    def __init__(self, cfg: TrainConfig, rt: Runtime, saver: Checkpointer, guard: PreemptionGuard):
+        self.cfg, self.rt, self.saver, self.guard = cfg, rt, saver, guard
+        self.fault = faults.planned(rt.rank)
+        self.stop_requested = False
+
+    def loss_is_bad(self, loss: torch.Tensor, progress: Progress) -> bool:
+        """All-reduce (non-finite, stop) so that every rank acts alike on this step."""
+        poisoned = faults.fire(self.fault, progress.global_step + 1)
+        bad = poisoned or not bool(torch.isfinite(loss.detach()).all())
+        stop = int(self.guard.signum > 0)
+        flags = comm.all_reduce_sum(torch.tensor([int(bad), stop], dtype=torch.int64))
+        self.stop_requested = bool(flags[1])
+        if flags[0] and self.cfg.on_nonfinite == "abort":
+            raise NonFiniteLoss(
+                f"non-finite loss at step {progress.global_step + 1} (epoch {progress.epoch + 1}) "
+                f"on {int(flags[0])} rank(s); --on-nonfinite skip would skip such steps"
+            )
+        return bool(flags[0])
+
+    def after_step(self, progress: Progress) -> None:
+        every = self.cfg.save_every_steps
+        if self.stop_requested:
+            self.guard.reached_boundary()
+            self.saver.save(progress)
+            signum = self.guard.signum or signal.SIGTERM  # a rank that saw none follows the others
+            if self.cfg.requeue and self.rt.is_main:
+                requeue(os.environ)
+            raise Preempted(signum)
+        if every and progress.global_step % every == 0:
+            self.saver.save(progress)
+
+
 def train_one_epoch(
-    parts: ModelParts, loader: DataLoader, optimizer, rt: Runtime, bar
-) -> EpochStats:
+    parts, loader, optimizer, rt: Runtime, control: StepControl, progress: Progress, bar
+) -> float:
     parts.train()
     start = time.perf_counter()
-    totals = torch.zeros(3, dtype=torch.float64)  # loss*n, correct, n
     for images, labels in loader:
         images = images.to(rt.device, non_blocking=True)
         labels = labels.to(rt.device, non_blocking=True)
@@ -91,109 +185,152 @@ def train_one_epoch(
         loss = nn.functional.cross_entropy(logits, labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        optimizer.step()
-        n = labels.numel()
-        totals += torch.tensor([loss.item() * n, (logits.argmax(1) == labels).sum().item(), n])
+        if control.loss_is_bad(loss, progress):
+            progress.skipped_steps += 1
+        else:
+            optimizer.step()
+            n = labels.numel()
+            correct = (logits.argmax(1) == labels).sum().item()
+            progress.totals += torch.tensor([loss.item() * n, correct, n], dtype=torch.float64)
+        progress.step_in_epoch += 1
+        progress.global_step += 1
         if bar is not None:
-            bar.update(n * rt.world_size)
-            bar.set_postfix(loss=f"{totals[0] / totals[2]:.4f}")
-    totals = comm.all_reduce_sum(totals)
-    seconds = time.perf_counter() - start
-    return EpochStats(
-        loss=float(totals[0] / totals[2]),
-        acc=float(totals[1] / totals[2]),
-        images=int(totals[2]),
-        seconds=seconds,
-    )
+            bar.update(labels.numel() * rt.world_size)
+            bar.set_postfix(loss=f"{progress.totals[0] / max(progress.totals[2], 1):.4f}")
+        control.after_step(progress)
+    return time.perf_counter() - start
 
 
 def fit(cfg: TrainConfig, rt: Runtime) -> dict:
     log = get_logger()
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
     split = build_split(cfg.data, cfg.val_fraction, cfg.split_seed)
     run_dir, resume_from = comm.broadcast_object(_resolve_run(cfg) if rt.is_main else None)
     metrics = MetricsWriter(run_dir)
 
     parts = parallelize(build_model(cfg, len(split.classes)), cfg, rt)
     optimizer = build_optimizer(parts, cfg, rt.world_size)
-    lr = optimizer.param_groups[0]["lr"]
     scheduler = build_scheduler(optimizer, cfg.epochs, cfg.lrf, cfg.warmup_epochs)
-    start_epoch, best_top1 = 0, -1.0
+    seed_everything(cfg.seed + 1000 * rt.rank)  # model randomness (dropout) differs per rank
+    progress = Progress()
     if resume_from is not None:
-        state = checkpoint.load(resume_from)
-        parts.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        start_epoch, best_top1 = state["epoch"], state.get("best_top1", -1.0)
-        log.info(f"resumed from {resume_from} at epoch {start_epoch + 1}")
-    seed_everything(cfg.seed + 1000 * rt.rank + start_epoch)  # augmentation differs per rank
+        progress = _resume(resume_from, cfg, rt, parts, optimizer, scheduler)
     train_loader, val_loader, workers = make_loaders(cfg, split, rt)
-
+    saver = Checkpointer(cfg, run_dir, rt, parts, optimizer, scheduler, split.classes)
+    guard = PreemptionGuard(cfg.preempt_grace).install()
+    control = StepControl(cfg, rt, saver, guard)
     if rt.is_main:
-        _write_run_files(cfg, split, run_dir, rt)
-        metrics.drop_after(start_epoch)
-        log.info(
-            f"run {run_dir}: {cfg.model} at {cfg.image_size}px, {len(split.classes)} classes, "
-            f"{len(split.train)} train / {len(split.val)} val images, {rt.world_size} process(es) "
-            f"on {rt.device.type} ({rt.backend or 'no process group'}), {workers} loader worker(s)"
-        )
-        log.info(
-            f"global batch {cfg.batch_size * rt.world_size} ({cfg.batch_size} x {rt.world_size}), "
-            f"lr {lr:g} (base {cfg.lr:g}, scaling {cfg.lr_scaling}), {cfg.epochs} epochs"
-        )
+        _write_run_files(cfg, split, run_dir)
+        metrics.drop_after(progress.epoch)
+        _announce(cfg, split, run_dir, rt, workers, optimizer.param_groups[0]["lr"])
     started = time.perf_counter()
-    for epoch in range(start_epoch, cfg.epochs):
-        epoch_start = time.perf_counter()
-        train_loader.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on all ranks
-        epoch_lr = optimizer.param_groups[0]["lr"]
-        bar = _progress(rt, len(train_loader.sampler) * rt.world_size, epoch, cfg.epochs)
-        stats = train_one_epoch(parts, train_loader, optimizer, rt, bar)
-        result = evaluate(parts, val_loader, rt.device, len(split.classes))
-        if bar is not None:
-            bar.close()
-        scheduler.step()
-        row = {
-            "epoch": epoch + 1,
-            "lr": epoch_lr,
-            "train_loss": stats.loss,
-            "train_acc": stats.acc,
-            "val_loss": result.loss,
-            "val_top1": result.top1,
-            "val_top5": result.top5,
-            "val_count": result.count,
-            "epoch_seconds": time.perf_counter() - epoch_start,
-            "train_images_per_s": stats.images / stats.seconds,
-        }
-        if rt.is_main:
-            metrics.write(row)
-            log.info(format_epoch(row, cfg.epochs))
-            is_best = result.top1 > best_top1
-            best_top1 = max(best_top1, result.top1)
-            state = {
-                "model": parts.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
+    try:
+        for epoch in range(progress.epoch, cfg.epochs):
+            epoch_start = time.perf_counter()
+            consumed = progress.step_in_epoch * cfg.batch_size * rt.world_size
+            train_loader.sampler.set_epoch(epoch, consumed)  # a new order every epoch
+            epoch_lr = optimizer.param_groups[0]["lr"]
+            bar = _progress_bar(rt, len(train_loader.sampler) * rt.world_size, epoch, cfg.epochs)
+            train_seconds = train_one_epoch(
+                parts, train_loader, optimizer, rt, control, progress, bar
+            )
+            result = evaluate(parts, val_loader, rt.device, len(split.classes))
+            if bar is not None:
+                bar.close()
+            scheduler.step()
+            totals = comm.all_reduce_sum(progress.totals)
+            row = {
                 "epoch": epoch + 1,
-                "best_top1": best_top1,
+                "lr": epoch_lr,
+                "train_loss": float(totals[0] / max(totals[2], 1)),
+                "train_acc": float(totals[1] / max(totals[2], 1)),
+                "val_loss": result.loss,
                 "val_top1": result.top1,
-                "classes": split.classes,
-                "config": cfg.to_dict(),
-                "world_size": rt.world_size,
+                "val_top5": result.top5,
+                "val_count": result.count,
+                "skipped_steps": progress.skipped_steps,
+                "epoch_seconds": time.perf_counter() - epoch_start,
+                "train_images_per_s": float(totals[2]) / max(train_seconds, 1e-9),
             }
-            checkpoint.save_atomic(state, run_dir / "checkpoints" / checkpoint.LAST)
-            if is_best:
-                checkpoint.save_atomic(state, run_dir / "checkpoints" / checkpoint.BEST)
+            progress.best_top1 = max(progress.best_top1, result.top1)
+            progress.epoch, progress.step_in_epoch, progress.totals = (
+                epoch + 1,
+                0,
+                torch.zeros(3, dtype=torch.float64),
+            )
+            saver.save(progress, val_top1=result.top1)
+            if rt.is_main:
+                metrics.write(row)
+                log.info(format_epoch(row, cfg.epochs))
+    finally:
+        guard.uninstall()
     comm.barrier()
-    return _summarise(cfg, run_dir, metrics, rt, time.perf_counter() - started)
+    return _summarise(cfg, run_dir, metrics, rt, time.perf_counter() - started, progress)
+
+
+def _resume(path: Path, cfg: TrainConfig, rt: Runtime, parts, optimizer, scheduler) -> Progress:
+    log = get_logger()
+    state = checkpoint.load(path)
+    parts.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    restore_rng(state.get("rng"), rt.rank)
+    progress = Progress(
+        epoch=state["epoch"],
+        step_in_epoch=state.get("step_in_epoch", 0),
+        global_step=state.get("global_step", 0),
+        skipped_steps=state.get("skipped_steps", 0),
+        best_top1=state.get("best_top1", -1.0),
+    )
+    old_world = state.get("world_size", rt.world_size)
+    if old_world != rt.world_size:
+        _rescale(state, cfg, rt, optimizer, scheduler, progress)
+    elif state.get("partial_totals") is not None and rt.is_main:
+        progress.totals = state["partial_totals"]  # rank 0 carries the epoch's sums so far
+    where = f"epoch {progress.epoch + 1}" + (
+        f", step {progress.step_in_epoch}" if progress.step_in_epoch else ""
+    )
+    log.info(f"resumed from {path} at {where}")
+    return progress
+
+
+def _rescale(
+    state, cfg: TrainConfig, rt: Runtime, optimizer, scheduler, progress: Progress
+) -> None:
+    """Another world size: the global batch changes, and with it the scaled lr."""
+    old_world, old_batch = state["world_size"], state["config"]["batch_size"]
+    new_lr = effective_lr(cfg.lr, rt.world_size, cfg.lr_scaling)
+    old_lr = effective_lr(state["config"]["lr"], old_world, state["config"]["lr_scaling"])
+    scheduler.base_lrs = [new_lr for _ in scheduler.base_lrs]
+    factor = lr_factor(scheduler.last_epoch, cfg.epochs, cfg.lrf, cfg.warmup_epochs)
+    for group in optimizer.param_groups:
+        group["lr"] = new_lr * factor
+        group["initial_lr"] = new_lr
+    if progress.step_in_epoch and (state.get("consumed", 0) % (cfg.batch_size * rt.world_size)):
+        get_logger().warning(
+            "the interrupted epoch resumes at a sample offset that does not "
+            "divide by the new global batch; the step count is rounded down"
+        )
+    progress.step_in_epoch = state.get("consumed", 0) // (cfg.batch_size * rt.world_size)
+    get_logger().info(
+        f"world size {old_world} -> {rt.world_size}: global batch {old_batch * old_world} -> "
+        f"{cfg.batch_size * rt.world_size}, lr {old_lr:g} -> {new_lr:g}"
+    )
 
 
 def _resolve_run(cfg: TrainConfig) -> tuple[Path, Path | None]:
     """Rank 0 decides the run directory and what to resume; every rank is told."""
     output = Path(cfg.output_dir)
+    resume = cfg.resume
+    if resume is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        resume = "auto"  # a restarted worker continues from the last checkpoint
     resume_from: Path | None = None
-    if cfg.resume == "auto":
+    if resume == "auto":
         resume_from = checkpoint.find_resumable(output, cfg.name)
-    elif cfg.resume:
-        resume_from = Path(cfg.resume)
+    elif resume:
+        resume_from = Path(resume)
         if not resume_from.is_file():
             raise UserError(f"--resume: checkpoint not found: {resume_from}")
     if cfg.name:
@@ -207,19 +344,34 @@ def _resolve_run(cfg: TrainConfig) -> tuple[Path, Path | None]:
     return run_dir, resume_from
 
 
-def _write_run_files(cfg: TrainConfig, split: DataSplit, run_dir: Path, rt: Runtime) -> None:
+def _write_run_files(cfg: TrainConfig, split: DataSplit, run_dir: Path) -> None:
     resolved = TrainConfig(**{**cfg.to_dict(), "name": run_dir.name})
     resolved.save(run_dir / "config.yaml")
     (run_dir / "class_indices.json").write_text(json.dumps(split.class_index(), indent=2) + "\n")
 
 
-def _progress(rt: Runtime, total: int, epoch: int, epochs: int):
+def _announce(cfg, split: DataSplit, run_dir: Path, rt: Runtime, workers: int, lr: float) -> None:
+    log = get_logger()
+    log.info(
+        f"run {run_dir}: {cfg.model} at {cfg.image_size}px, {len(split.classes)} classes, "
+        f"{len(split.train)} train / {len(split.val)} val images, {rt.world_size} process(es) "
+        f"on {rt.device.type} ({rt.backend or 'no process group'}), {workers} loader worker(s)"
+    )
+    log.info(
+        f"global batch {cfg.batch_size * rt.world_size} ({cfg.batch_size} x {rt.world_size}), "
+        f"lr {lr:g} (base {cfg.lr:g}, scaling {cfg.lr_scaling}), {cfg.epochs} epochs"
+    )
+
+
+def _progress_bar(rt: Runtime, total: int, epoch: int, epochs: int):
     if not rt.is_main or not sys.stdout.isatty() or os.environ.get("PARATRAIN_NO_BAR"):
         return None
     return tqdm(total=total, desc=f"epoch {epoch + 1}/{epochs}", unit="img", leave=False)
 
 
-def _summarise(cfg, run_dir: Path, metrics: MetricsWriter, rt: Runtime, seconds: float) -> dict:
+def _summarise(
+    cfg, run_dir: Path, metrics: MetricsWriter, rt: Runtime, seconds: float, progress: Progress
+) -> dict:
     rows = metrics.read() if rt.is_main else []
     summary = comm.broadcast_object(
         {
@@ -229,6 +381,7 @@ def _summarise(cfg, run_dir: Path, metrics: MetricsWriter, rt: Runtime, seconds:
             "epochs": len(rows),
             "best_val_top1": max((r["val_top1"] for r in rows), default=None),
             "final": rows[-1] if rows else None,
+            "skipped_steps": progress.skipped_steps,
             "seconds": seconds,
         }
         if rt.is_main
@@ -237,8 +390,13 @@ def _summarise(cfg, run_dir: Path, metrics: MetricsWriter, rt: Runtime, seconds:
     if rt.is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         best = summary["best_val_top1"]
+        skipped = (
+            f", {progress.skipped_steps} non-finite step(s) skipped"
+            if progress.skipped_steps
+            else ""
+        )
         get_logger().info(
-            f"done in {seconds:.1f}s: best val top1 {best:.2%}, checkpoints in "
+            f"done in {seconds:.1f}s: best val top1 {best:.2%}{skipped}, checkpoints in "
             f"{run_dir / 'checkpoints'}"
             if best is not None
             else f"done in {seconds:.1f}s (nothing left to train)"

@@ -1,0 +1,82 @@
+"""Preemption: SIGTERM or SIGUSR1 asks for a checkpoint at the next step boundary.
+
+The handler only records the signal; the loop all-reduces the request with its other
+per-step flags, so every rank stops at the same step. If a rank cannot reach a step
+boundary within ``grace`` seconds (stuck in a collective, say), a watchdog ends it, so
+the launcher never has to wait for it; once the step boundary is reached, saving may take
+as long as it needs. A second signal ends the process at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+from collections.abc import Mapping
+
+from paratrain.report.log import get_logger
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preempted(Exception):
+    """Raised after the checkpoint is written; the process exits with 128 + signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}; checkpoint saved")
+        self.signum = signum
+        self.exit_code = 128 + signum
+
+
+class PreemptionGuard:
+    def __init__(self, grace_s: float = 20.0):
+        self.signum = 0
+        self.grace_s = grace_s
+        self._previous: dict[int, object] = {}
+        self._watchdog: threading.Timer | None = None
+
+    def reached_boundary(self) -> None:
+        """Every rank stopped at the same step: saving may take as long as it takes."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+
+    def install(self) -> PreemptionGuard:
+        if threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signum:  # a second signal: do not wait any longer
+            os._exit(128 + signum)
+        self.signum = signum
+        self._watchdog = threading.Timer(self.grace_s, os._exit, args=(128 + signum,))
+        self._watchdog.daemon = True
+        self._watchdog.start()
+
+
+def requeue_command(environ: Mapping[str, str]) -> list[str] | None:
+    """``scontrol requeue`` for this SLURM job (array tasks as ``<array job>_<task>``)."""
+    array_job, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    job = f"{array_job}_{task}" if array_job and task else environ.get("SLURM_JOB_ID")
+    return ["scontrol", "requeue", job] if job else None
+
+
+def requeue(environ: Mapping[str, str]) -> bool:
+    command = requeue_command(environ)
+    log = get_logger()
+    if command is None:
+        log.warning("--requeue: not under SLURM (no SLURM_JOB_ID); not requeued")
+        return False
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        log.warning(f"{' '.join(command)} failed: {result.stderr.strip() or result.returncode}")
+        return False
+    log.info(f"requeued: {' '.join(command)}")
+    return True

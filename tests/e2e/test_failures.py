@@ -1,0 +1,351 @@
+"""Failures, restarts, preemption, non-finite losses and ports, as a user meets them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from imagefolders import make_image_folder
+
+pytestmark = pytest.mark.slow
+
+# 3 classes x 20 images: 48 train / 12 val; batch 4 x 2 processes = 6 steps per epoch
+FAST = ["--model", "resnet18", "--image-size", "16", "--batch-size", "4", "--workers", "0"]
+
+
+def _env(root: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(PARATRAIN_CACHE=str(root / "cache"), PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def run(root: Path, *args: str, timeout: float = 240, **env: str):
+    start = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "paratrain", "train", *args],
+        cwd=root,
+        env=_env(root, **env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return out, time.monotonic() - start
+
+
+def leftover(tag: str) -> list[str]:
+    found = subprocess.run(["pgrep", "-af", tag], capture_output=True, text=True).stdout
+    return [line for line in found.splitlines() if "pgrep" not in line]
+
+
+def weights(root: Path, name: str) -> dict[str, torch.Tensor]:
+    return torch.load(root / "runs" / name / "checkpoints" / "last.pt", weights_only=False)["model"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("faults")
+    return root, make_image_folder(root / "data", classes=3, per_class=20)
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_a_failure_on_one_rank_ends_every_rank(data, nproc):
+    root, folder = data
+    tag = f"failrun{nproc}"
+    out, seconds = run(
+        root,
+        "--data",
+        str(folder),
+        "--nproc",
+        str(nproc),
+        "--epochs",
+        "2",
+        "--name",
+        tag,
+        *FAST,
+        PARATRAIN_INJECT="rank=1,step=2,kind=raise",
+    )
+    assert out.returncode != 0
+    assert seconds < 60
+    assert "[rank 1] InjectedFailure: injected failure at step 2" in out.stderr
+    assert "rank 1 failed with exit code 1" in out.stderr
+    assert leftover(tag) == []
+
+
+def test_a_stuck_rank_ends_the_run_within_the_timeout(data):
+    root, folder = data
+    out, seconds = run(
+        root,
+        "--data",
+        str(folder),
+        "--nproc",
+        "2",
+        "--epochs",
+        "1",
+        "--timeout",
+        "5",
+        "--name",
+        "stuck",
+        *FAST,
+        PARATRAIN_INJECT="rank=1,step=2,kind=hang",
+    )
+    assert out.returncode != 0
+    assert seconds < 5 + 30 + 15  # timeout + 30 s, plus start-up
+    assert leftover("--name stuck") == []
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data):
+    root, folder = data
+    out, _ = run(
+        root,
+        "--data",
+        str(folder),
+        "--nproc",
+        "2",
+        "--epochs",
+        "2",
+        "--deterministic",
+        "--name",
+        "straight",
+        *FAST,
+    )
+    assert out.returncode == 0, out.stderr
+    return weights(root, "straight")
+
+
+def _assert_bitwise_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_resume_mid_epoch_is_bit_exact(data, uninterrupted):
+    root, folder = data
+    common = [
+        "--data",
+        str(folder),
+        "--nproc",
+        "2",
+        "--epochs",
+        "2",
+        "--deterministic",
+        "--save-every-steps",
+        "2",
+        "--name",
+        "broken",
+        *FAST,
+    ]
+    crashed, _ = run(root, *common, PARATRAIN_INJECT="rank=1,step=9,kind=raise")
+    assert crashed.returncode != 0
+    state = torch.load(root / "runs/broken/checkpoints/last.pt", weights_only=False)
+    assert (state["epoch"], state["step_in_epoch"], state["global_step"]) == (1, 2, 8)
+    assert len(state["rng"]) == 2 and state["scaler"] is None
+    resumed, _ = run(root, *common, "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from runs/broken/checkpoints/last.pt at epoch 2, step 2" in resumed.stdout
+    _assert_bitwise_equal(weights(root, "broken"), uninterrupted)
+
+
+def test_resume_with_another_world_size_says_what_changed(data, uninterrupted):
+    root, folder = data
+    out, _ = run(
+        root,
+        "--data",
+        str(folder),
+        "--nproc",
+        "1",
+        "--epochs",
+        "3",
+        "--name",
+        "straight",
+        "--resume",
+        "auto",
+        *FAST,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "world size 2 -> 1: global batch 8 -> 4, lr 0.02 -> 0.01" in out.stdout
+    rows = (root / "runs/straight/metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["epoch"] for r in rows] == [1, 2, 3]
+
+
+def test_killed_worker_restarts_and_ends_like_an_uninterrupted_run(data, uninterrupted):
+    root, folder = data
+    out, _ = run(
+        root,
+        "--data",
+        str(folder),
+        "--nproc",
+        "2",
+        "--epochs",
+        "2",
+        "--deterministic",
+        "--save-every-steps",
+        "2",
+        "--max-restarts",
+        "1",
+        "--name",
+        "restarted",
+        *FAST,
+        PARATRAIN_INJECT="rank=1,step=9,kind=kill,attempt=0",
+    )
+    assert out.returncode == 0, out.stderr
+    assert "resumed from runs/restarted/checkpoints/last.pt at epoch 2, step 2" in out.stdout
+    _assert_bitwise_equal(weights(root, "restarted"), uninterrupted)
+
+
+def test_restart_budget_exhausted_names_the_rank(data):
+    root, folder = data
+    out, _ = run(
+        root,
+        "--data",
+        str(folder),
+        "--nproc",
+        "2",
+        "--epochs",
+        "1",
+        "--max-restarts",
+        "1",
+        "--name",
+        "doomed",
+        *FAST,
+        PARATRAIN_INJECT="rank=1,step=2,kind=kill",
+    )
+    assert out.returncode != 0
+    assert "rank 1 was killed by signal SIGKILL (after 1 restart(s))" in out.stderr
+
+
+def _start_and_signal(root: Path, args: list[str], sig: int, **env: str):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "paratrain", "train", *args],
+        cwd=root,
+        env=_env(root, **env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines = []
+    for line in proc.stdout:  # wait until training runs
+        lines.append(line)
+        if line.startswith("global batch"):
+            break
+    time.sleep(3)
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=90)
+    return proc.returncode, "".join(lines) + stdout, stderr
+
+
+def test_sigterm_saves_at_a_step_boundary_and_exits_143(data):
+    root, folder = data
+    code, _, stderr = _start_and_signal(
+        root,
+        ["--data", str(folder), "--nproc", "2", "--epochs", "50", "--name", "preempted", *FAST],
+        signal.SIGTERM,
+    )
+    assert code == 143, stderr
+    assert "[rank 0] " not in stderr and "stopped by SIGTERM; checkpoint saved" in stderr
+    state = torch.load(root / "runs/preempted/checkpoints/last.pt", weights_only=False)
+    assert state["global_step"] > 0 and len(state["rng"]) == 2
+
+
+def test_sigusr1_under_slurm_requeues_the_array_task(data, tmp_path):
+    root, folder = data
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    (stub / "scontrol").write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/scontrol.args\n')
+    (stub / "scontrol").chmod(0o755)
+    slurm = dict(
+        SLURM_PROCID="0",
+        SLURM_NTASKS="1",
+        SLURM_LOCALID="0",
+        SLURM_JOB_ID="77",
+        SLURM_ARRAY_JOB_ID="70",
+        SLURM_ARRAY_TASK_ID="3",
+        SLURM_JOB_NODELIST="localhost",
+        PATH=f"{stub}:{os.environ['PATH']}",
+    )
+    code, stdout, stderr = _start_and_signal(
+        root,
+        ["--data", str(folder), "--epochs", "50", "--name", "slurmjob", "--requeue", *FAST],
+        signal.SIGUSR1,
+        **slurm,
+    )
+    assert code == 128 + signal.SIGUSR1, stderr
+    assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "70_3"]
+    assert "requeued: scontrol requeue 70_3" in stdout
+    assert (root / "runs/slurmjob/checkpoints/last.pt").is_file()
+
+
+def test_nan_on_one_rank_aborts_every_rank_with_the_step(data):
+    root, folder = data
+    out, _ = run(
+        root,
+        "--data",
+        str(folder),
+        "--nproc",
+        "2",
+        "--epochs",
+        "1",
+        "--name",
+        "nan",
+        *FAST,
+        PARATRAIN_INJECT="rank=1,step=2,kind=nan",
+    )
+    assert out.returncode == 3, out.stderr
+    assert "non-finite loss at step 2 (epoch 1) on 1 rank(s)" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_nan_on_one_rank_is_skipped_everywhere(data):
+    root, folder = data
+    out, _ = run(
+        root,
+        "--data",
+        str(folder),
+        "--nproc",
+        "2",
+        "--epochs",
+        "1",
+        "--name",
+        "nanskip",
+        "--on-nonfinite",
+        "skip",
+        *FAST,
+        PARATRAIN_INJECT="rank=1,step=2,kind=nan",
+    )
+    assert out.returncode == 0, out.stderr
+    summary = json.loads((root / "runs/nanskip/summary.json").read_text())
+    assert summary["skipped_steps"] == 1
+    assert "1 non-finite step(s) skipped" in out.stdout
+
+
+def test_a_port_in_use_fails_fast_and_names_it(data):
+    root, folder = data
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out, seconds = run(
+            root,
+            "--data",
+            str(folder),
+            "--nproc",
+            "2",
+            "--master-port",
+            str(port),
+            "--name",
+            "port",
+            *FAST,
+            timeout=60,
+        )
+    assert out.returncode == 2
+    assert f"--master-port {port} is not available" in out.stderr
+    assert seconds < 30
