@@ -251,7 +251,7 @@ def test_sigterm_saves_at_a_step_boundary_and_exits_143(data):
         signal.SIGTERM,
     )
     assert code == 143, stderr
-    assert "[rank 0] " not in stderr and "stopped by SIGTERM; checkpoint saved" in stderr
+    assert "stopped by SIGTERM; checkpoint saved" in stderr
     state = torch.load(root / "runs/preempted/checkpoints/last.pt", weights_only=False)
     assert state["global_step"] > 0 and len(state["rng"]) == 2
 
