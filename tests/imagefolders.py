@@ -48,3 +48,20 @@ def make_image_folder(
                 pixels = np.clip(base + noise, 0, 255).astype(np.uint8)
                 Image.fromarray(pixels).save(folder / f"{i:03d}{ext}")
     return root
+
+
+def make_damaged_folder(root, classes=3, per_class=34):
+    """3% truncated JPEGs, 1% zero-byte files and stray .txt files."""
+    data = make_image_folder(root, classes=classes, per_class=per_class, size=(64, 48))
+    images = sorted(p for p in data.rglob("*.jpg"))
+    rng = np.random.default_rng(1)
+    picked = rng.choice(len(images), size=4, replace=False)
+    truncated = [images[i] for i in picked[:3]]
+    empty = [images[picked[3]]]
+    for path in truncated:
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    for path in empty:
+        path.write_bytes(b"")
+    for c in range(classes):
+        (data / f"class_{c}" / "notes.txt").write_text("not an image")
+    return data, sorted(str(p) for p in truncated + empty)

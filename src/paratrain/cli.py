@@ -70,6 +70,25 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         default=S,
         help="where the embedded data set is written (default ~/.cache/paratrain)",
     )
+    data.add_argument(
+        "--bad-images",
+        choices=["error", "skip"],
+        default=S,
+        help="unreadable images: list them all and stop, or leave them out (default error)",
+    )
+    data.add_argument(
+        "--cache",
+        choices=["auto", "on", "off"],
+        default=S,
+        help="decode every image once into a memory-mapped uint8 cache (default auto: on "
+        "when it fits --cache-max-gb)",
+    )
+    data.add_argument(
+        "--cache-max-gb",
+        type=float,
+        default=S,
+        help="memory budget of the decoded-image cache in auto mode (default 4)",
+    )
     model = p.add_argument_group("model")
     model.add_argument(
         "--model",
@@ -227,7 +246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _dispatch(args, argv)
     except UserError as exc:
-        _report(str(exc))
+        if getattr(exc, "agreed", False) is False or os.environ.get("RANK", "0") == "0":
+            _report(str(exc))  # an error every rank agreed on is told once, by rank 0
         return exc.exit_code
     except Preempted as exc:
         print(f"paratrain: {_where()}{exc}", file=sys.stderr)

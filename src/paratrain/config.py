@@ -31,6 +31,9 @@ class TrainConfig:
     crop_scale_min: float = 0.08
     hflip: float = 0.5
     workers: int | None = None
+    bad_images: str = "error"
+    cache: str = "auto"
+    cache_max_gb: float = 4.0
     # model
     model: str = "resnet18"
     weights: str | None = None
@@ -97,6 +100,10 @@ class TrainConfig:
             raise UserError(
                 f"--master-port must be a port number (1-65535), got {self.master_port}"
             )
+        if self.bad_images not in ("error", "skip"):
+            raise UserError(f"--bad-images must be 'error' or 'skip', got {self.bad_images!r}")
+        if self.cache not in ("auto", "on", "off"):
+            raise UserError(f"--cache must be auto, on or off, got {self.cache!r}")
         if self.on_nonfinite not in ("abort", "skip"):
             raise UserError(f"--on-nonfinite must be 'abort' or 'skip', got {self.on_nonfinite!r}")
         if self.timeout <= 0:

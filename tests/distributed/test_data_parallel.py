@@ -83,6 +83,7 @@ def _record_training_order(rank, world, data_dir, out_dir):
         workers=0,
         output_dir=out_dir,
         name="order",
+        cache="off",  # the decode path calls __getitem__ once per sample, which is recorded
     )
     fit(cfg, _runtime())
     half = len(seen) // 2

@@ -10,13 +10,14 @@ Two layouts are accepted:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 from torch.utils.data import Dataset
 
 from paratrain.errors import UserError
@@ -33,6 +34,7 @@ class DataSplit:
     val: list[Sample]
     layout: str  # "split" (one folder, split here) or "given" (train/ and val/)
     root: str
+    ignored: int = 0  # files without an image extension, left out
 
     def class_index(self) -> dict[str, str]:
         """index -> class name, as written to class_indices.json."""
@@ -43,8 +45,9 @@ def _is_image(name: str) -> bool:
     return name.lower().endswith(IMAGE_EXTENSIONS)
 
 
-def scan_classes(root: Path) -> dict[str, list[str]]:
-    """Map each class folder under ``root`` to its sorted image paths."""
+def scan_classes(root: Path, ignored: list[str] | None = None) -> dict[str, list[str]]:
+    """Map each class folder under ``root`` to its sorted image paths; files without an
+    image extension go to ``ignored``."""
     if not root.exists():
         raise UserError(f"data directory does not exist: {root}")
     if not root.is_dir():
@@ -57,12 +60,15 @@ def scan_classes(root: Path) -> dict[str, list[str]]:
         raise UserError(f"no class folders in {root} (expected {root}/<class>/<image>)")
     classes: dict[str, list[str]] = {}
     for entry in class_dirs:
-        images = sorted(
+        files = [
             os.path.join(dirpath, f)
-            for dirpath, _, files in os.walk(entry.path, followlinks=True)
-            for f in files
-            if _is_image(f)
-        )
+            for dirpath, _, names in os.walk(entry.path, followlinks=True)
+            for f in names
+            if not f.startswith(".")
+        ]
+        images = sorted(f for f in files if _is_image(f))
+        if ignored is not None:
+            ignored.extend(f for f in files if not _is_image(f))
         if not images:
             raise UserError(f"class folder has no images: {entry.path}")
         classes[entry.name] = images
@@ -75,9 +81,10 @@ def _is_given_split(root: Path) -> bool:
 
 def build_split(data_dir: str | Path, val_fraction: float = 0.2, seed: int = 0) -> DataSplit:
     root = Path(data_dir).expanduser()
+    ignored: list[str] = []
     if _is_given_split(root):
-        train = scan_classes(root / "train")
-        val = scan_classes(root / "val")
+        train = scan_classes(root / "train", ignored)
+        val = scan_classes(root / "val", ignored)
         if set(train) != set(val):
             only_train = sorted(set(train) - set(val))
             only_val = sorted(set(val) - set(train))
@@ -92,8 +99,9 @@ def build_split(data_dir: str | Path, val_fraction: float = 0.2, seed: int = 0) 
             val=_label(val, classes),
             layout="given",
             root=str(root),
+            ignored=len(ignored),
         )
-    by_class = scan_classes(root)
+    by_class = scan_classes(root, ignored)
     classes = sorted(by_class)
     train, val = [], []
     for index, name in enumerate(classes):
@@ -106,7 +114,9 @@ def build_split(data_dir: str | Path, val_fraction: float = 0.2, seed: int = 0) 
         train_paths, val_paths = split_class(paths, val_fraction, seed + index)
         train += [(p, index) for p in train_paths]
         val += [(p, index) for p in val_paths]
-    return DataSplit(classes=classes, train=train, val=val, layout="split", root=str(root))
+    return DataSplit(
+        classes=classes, train=train, val=val, layout="split", root=str(root), ignored=len(ignored)
+    )
 
 
 def split_class(paths: Sequence[str], val_fraction: float, seed: int) -> tuple[list, list]:
@@ -124,14 +134,55 @@ def _label(by_class: dict[str, list[str]], classes: list[str]) -> list[Sample]:
     return [(p, i) for i, name in enumerate(classes) for p in by_class[name]]
 
 
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Any PIL mode as 3-channel RGB, turned upright as its EXIF orientation says.
+
+    L, LA, P, RGBA, CMYK convert directly (alpha is dropped, palettes with transparency
+    go through RGBA); 16- and 32-bit greyscale (I;16, I, F) are scaled to 8 bits first.
+    """
+    image = ImageOps.exif_transpose(image)
+    if image.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I", "F"):
+        pixels = np.asarray(image, dtype=np.float64)
+        top = 65535.0 if image.mode.startswith("I;16") else max(float(pixels.max()), 1.0)
+        image = Image.fromarray(np.clip(pixels * (255.0 / top), 0, 255).round().astype(np.uint8))
+    if image.mode == "P" and "transparency" in image.info:
+        image = image.convert("RGBA")
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
 def load_rgb(path: str) -> Image.Image:
-    """Open an image as 3-channel RGB; a file that is not a readable image is a UserError."""
+    """Open an image as upright 3-channel RGB; an unreadable file is a UserError."""
     try:
         with Image.open(path) as image:
             image.load()
-            return image.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
+            return to_rgb(image)
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
         raise UserError(f"cannot read image {path}: {exc}") from None
+
+
+def image_problem(path: str) -> str | None:
+    """Why ``path`` cannot be used as an image (fully decoded), or None when it can."""
+    try:
+        if os.path.getsize(path) == 0:
+            return "empty file"
+        with Image.open(path) as image:
+            image.load()
+        return None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+        return str(exc).split("\n")[0] or type(exc).__name__
+
+
+@contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Run with torch's CPU generator seeded, then put its state back (microseconds,
+    unlike torch.random.fork_rng, which also visits CUDA)."""
+    generator = torch.default_generator
+    saved = generator.get_state()
+    generator.manual_seed(seed)
+    try:
+        yield
+    finally:
+        generator.set_state(saved)
 
 
 class ImageSamples(Dataset):
@@ -144,16 +195,17 @@ class ImageSamples(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
+    def load(self, index: int):
+        return load_rgb(self.samples[index][0])
+
     def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int]:
         """``key`` is an index, or (index, seed) from the training sampler: then the random
         transform is seeded per sample, so augmentation is reproducible anywhere."""
         index, seed = key if isinstance(key, tuple) else (key, None)
-        path, label = self.samples[index]
-        image = load_rgb(path)
+        image, label = self.load(index), self.samples[index][1]
         if self.transform is None:
             return image, label
         if seed is None:
             return self.transform(image), label
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded(seed):
             return self.transform(image), label

@@ -20,8 +20,16 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from paratrain.config import TrainConfig
+from paratrain.data.cache import (
+    CachedImages,
+    batched,
+    cached_eval_transform,
+    cached_train_transform,
+    prepare,
+)
 from paratrain.data.folder import DataSplit, ImageSamples, build_split
 from paratrain.data.samplers import ShardedEvalSampler, train_sampler
+from paratrain.data.scan import screen
 from paratrain.data.transforms import eval_transform, train_transform
 from paratrain.dist import comm
 from paratrain.dist.runtime import Runtime, seed_everything, threads_per_process
@@ -58,22 +66,43 @@ def default_workers(local_world_size: int) -> int:
     return max(0, min(8, threads_per_process(local_world_size) - 1))
 
 
+def loader_workers(cfg: TrainConfig, rt: Runtime) -> int:
+    return cfg.workers if cfg.workers is not None else default_workers(rt.env.local_world_size)
+
+
 def make_loaders(cfg: TrainConfig, split: DataSplit, rt: Runtime):
-    workers = cfg.workers if cfg.workers is not None else default_workers(rt.env.local_world_size)
+    workers = loader_workers(cfg, rt)
     common = dict(
         batch_size=cfg.batch_size,
         num_workers=workers,
         pin_memory=rt.device.type == "cuda",
         persistent_workers=workers > 0,
     )
-    train_set = ImageSamples(
-        split.train, train_transform(cfg.image_size, cfg.crop_scale_min, cfg.hflip)
+    cache = prepare(
+        split.train + split.val, cfg.image_size, cfg.cache, cfg.cache_max_gb, cfg.cache_dir, workers
     )
+    if cache is not None:
+        train_set = CachedImages(
+            split.train,
+            cache,
+            0,
+            cached_train_transform(cfg.image_size, cfg.crop_scale_min, cfg.hflip),
+        )
+        val_set = CachedImages(
+            split.val, cache, len(split.train), cached_eval_transform(cfg.image_size)
+        )
+    else:
+        train_set = ImageSamples(
+            split.train, train_transform(cfg.image_size, cfg.crop_scale_min, cfg.hflip)
+        )
+        val_set = ImageSamples(split.val, eval_transform(cfg.image_size))
+    if cache is not None:
+        common["collate_fn"] = batched
     sampler = train_sampler(len(train_set), rt.rank, rt.world_size, cfg.seed)
     train_loader = DataLoader(train_set, sampler=sampler, **common)
-    val_set = ImageSamples(split.val, eval_transform(cfg.image_size))
     val_sampler = ShardedEvalSampler(len(val_set), rt.rank, rt.world_size)
-    return train_loader, DataLoader(val_set, sampler=val_sampler, **common), workers
+    loaders = train_loader, DataLoader(val_set, sampler=val_sampler, **common)
+    return (*loaders, workers, cache is not None)
 
 
 def build_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
@@ -208,6 +237,7 @@ def fit(cfg: TrainConfig, rt: Runtime) -> dict:
         torch.backends.cudnn.benchmark = False
     split = build_split(cfg.data, cfg.val_fraction, cfg.split_seed)
     run_dir, resume_from = comm.broadcast_object(_resolve_run(cfg) if rt.is_main else None)
+    split = screen(split, cfg.bad_images, rt.rank, rt.world_size, loader_workers(cfg, rt), run_dir)
     metrics = MetricsWriter(run_dir)
 
     parts = parallelize(build_model(cfg, len(split.classes)), cfg, rt)
@@ -217,14 +247,14 @@ def fit(cfg: TrainConfig, rt: Runtime) -> dict:
     progress = Progress()
     if resume_from is not None:
         progress = _resume(resume_from, cfg, rt, parts, optimizer, scheduler)
-    train_loader, val_loader, workers = make_loaders(cfg, split, rt)
+    train_loader, val_loader, workers, cached = make_loaders(cfg, split, rt)
     saver = Checkpointer(cfg, run_dir, rt, parts, optimizer, scheduler, split.classes)
     guard = PreemptionGuard(cfg.preempt_grace).install()
     control = StepControl(cfg, rt, saver, guard)
     if rt.is_main:
         _write_run_files(cfg, split, run_dir)
         metrics.drop_after(progress.epoch)
-        _announce(cfg, split, run_dir, rt, workers, optimizer.param_groups[0]["lr"])
+        _announce(cfg, split, run_dir, rt, workers, optimizer.param_groups[0]["lr"], cached)
     started = time.perf_counter()
     try:
         for epoch in range(progress.epoch, cfg.epochs):
@@ -350,12 +380,15 @@ def _write_run_files(cfg: TrainConfig, split: DataSplit, run_dir: Path) -> None:
     (run_dir / "class_indices.json").write_text(json.dumps(split.class_index(), indent=2) + "\n")
 
 
-def _announce(cfg, split: DataSplit, run_dir: Path, rt: Runtime, workers: int, lr: float) -> None:
+def _announce(
+    cfg, split: DataSplit, run_dir: Path, rt: Runtime, workers: int, lr: float, cached: bool
+) -> None:
     log = get_logger()
     log.info(
         f"run {run_dir}: {cfg.model} at {cfg.image_size}px, {len(split.classes)} classes, "
         f"{len(split.train)} train / {len(split.val)} val images, {rt.world_size} process(es) "
-        f"on {rt.device.type} ({rt.backend or 'no process group'}), {workers} loader worker(s)"
+        f"on {rt.device.type} ({rt.backend or 'no process group'}), {workers} loader worker(s), "
+        f"{'decoded-image cache' if cached else 'decoding every epoch'}"
     )
     log.info(
         f"global batch {cfg.batch_size * rt.world_size} ({cfg.batch_size} x {rt.world_size}), "

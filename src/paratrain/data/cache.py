@@ -1,0 +1,269 @@
+"""The decoded-image cache: every image decoded once, stored as uint8 in a memory map.
+
+Each image is resized (with the very Resize the eval transform uses) so that its shorter
+side is what the transforms need, and stored as HWC uint8 in one flat file under the
+cache directory, with an index of offsets and shapes. The directory's name is a hash of
+the file list, the files' sizes and modification times and the stored size, so changing
+the data builds a new cache. Ranks decode disjoint shards in parallel into the same file
+and then all read it; the operating system's page cache shares it between processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset, default_collate
+from torchvision import transforms as T
+from torchvision.transforms import functional as TF
+from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as F2  # uint8 fast path for resizing
+from tqdm import tqdm
+
+from paratrain.data.builtin import default_cache_dir
+from paratrain.data.folder import ImageSamples, Sample, load_rgb, seeded
+from paratrain.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_resize
+from paratrain.dist import comm
+
+CACHE_FORMAT = 1
+_ROTATED = {5, 6, 7, 8}  # EXIF orientations that swap width and height
+
+
+def cache_key(samples: Sequence[Sample], short_side: int) -> str:
+    digest = hashlib.sha256(f"paratrain-cache-{CACHE_FORMAT}-{short_side}".encode())
+    for path, _ in samples:
+        stat = os.stat(path)
+        digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:24]
+
+
+def stored_shape(path: str, short_side: int) -> tuple[int, int]:
+    """(height, width) of the image once upright and resized, from its header alone."""
+    with Image.open(path) as image:
+        width, height = image.size
+        if image.getexif().get(0x0112) in _ROTATED:
+            width, height = height, width
+    return tuple(TF._compute_resized_output_size([height, width], [short_side]))
+
+
+class _Decode(Dataset):
+    def __init__(self, paths: list[str], ids: list[int], short_side: int):
+        self.paths, self.ids = paths, ids
+        self.resize = T.Resize(short_side, antialias=True)  # the eval transform's own
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, k: int) -> tuple[int, torch.Tensor]:
+        i = self.ids[k]
+        return i, torch.from_numpy(np.array(self.resize(load_rgb(self.paths[i])), dtype=np.uint8))
+
+
+class DecodedCache:
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.index = np.load(directory / "index.npy")  # rows: offset, height, width
+        self._data: np.memmap | None = None  # opened lazily, once per loader process
+
+    @property
+    def nbytes(self) -> int:
+        return int((self.index[:, 1] * self.index[:, 2] * 3).sum())
+
+    def image(self, i: int) -> torch.Tensor:
+        """The i-th stored image as a CHW uint8 tensor."""
+        if self._data is None:
+            self._data = np.memmap(self.directory / "data.u8", dtype=np.uint8, mode="r")
+        offset, height, width = (int(v) for v in self.index[i])
+        pixels = self._data[offset : offset + height * width * 3].reshape(height, width, 3)
+        return torch.from_numpy(np.array(pixels)).permute(2, 0, 1)
+
+    def __getstate__(self) -> dict:  # loader workers open their own map
+        return {**self.__dict__, "_data": None}
+
+
+def prepare(
+    samples: Sequence[Sample],
+    image_size: int,
+    mode: str,
+    max_gb: float,
+    root: str | None,
+    workers: int,
+) -> DecodedCache | None:
+    """Open or build (all ranks together) the cache of ``samples``; None when it is off."""
+    if mode == "off":
+        return None
+    short = eval_resize(image_size)
+    base = Path(root) if root else default_cache_dir()
+    plan = _plan(samples, short, mode, max_gb, base / "decoded") if comm.is_main() else None
+    action, directory, reason = comm.broadcast_object(plan)
+    if action == "skip":
+        from paratrain.report.log import get_logger
+
+        get_logger().info(f"decoded-image cache off: {reason}")
+        return None
+    if action == "build":
+        _build(samples, short, Path(directory), workers)
+    return DecodedCache(Path(directory))
+
+
+def _plan(samples, short: int, mode: str, max_gb: float, base: Path) -> tuple[str, str, str]:
+    directory = base / cache_key(samples, short)
+    if (directory / "COMPLETE").exists():
+        return "ready", str(directory), ""
+    shapes = np.array(
+        [
+            stored_shape(p, short)
+            for p, _ in tqdm(
+                samples,
+                desc="sizing image cache",
+                unit="img",
+                delay=1.0,
+                leave=False,
+                disable=not sys.stderr.isatty(),
+            )
+        ],
+        dtype=np.int64,
+    )
+    sizes = shapes[:, 0] * shapes[:, 1] * 3
+    total = int(sizes.sum())
+    if mode == "auto" and total > max_gb * 2**30:
+        return (
+            "skip",
+            "",
+            (f"the decoded images need {total / 2**30:.1f} GB, over --cache-max-gb {max_gb:g}"),
+        )
+    directory.mkdir(parents=True, exist_ok=True)
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    np.save(directory / "index.npy", np.column_stack([offsets, shapes]))
+    with open(directory / "data.u8", "wb") as handle:
+        handle.truncate(max(total, 1))
+    return "build", str(directory), ""
+
+
+def _build(samples, short: int, directory: Path, workers: int) -> None:
+    rank, world = comm.rank(), comm.world_size()
+    index = np.load(directory / "index.npy")
+    data = np.memmap(directory / "data.u8", dtype=np.uint8, mode="r+")
+    paths = [p for p, _ in samples]
+    mine = list(range(rank, len(paths), world))
+    loader = DataLoader(_Decode(paths, mine, short), batch_size=None, num_workers=workers)
+    with tqdm(
+        total=len(paths),
+        desc="building image cache",
+        unit="img",
+        delay=1.0,
+        disable=rank != 0 or not sys.stderr.isatty(),
+        leave=False,
+    ) as bar:
+        for i, pixels in loader:
+            offset = int(index[i][0])
+            flat = pixels.numpy().reshape(-1)
+            data[offset : offset + flat.size] = flat
+            bar.update(world)
+    data.flush()
+    del data
+    comm.barrier()
+    if rank == 0:
+        (directory / "COMPLETE").write_text(json.dumps({"images": len(paths)}) + "\n")
+    comm.barrier()
+
+
+class CachedImages(ImageSamples):
+    """ImageSamples read from the cache: ``samples[i]`` is stored at ``first + i``."""
+
+    def __init__(
+        self,
+        samples: Sequence[Sample],
+        cache: DecodedCache,
+        first: int,
+        transform: Callable | None = None,
+    ):
+        super().__init__(samples, transform)
+        self.cache, self.first = cache, first
+
+    def load(self, index: int) -> torch.Tensor:
+        return self.cache.image(self.first + index)
+
+    def __getitems__(self, keys: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """A whole batch at once (the DataLoader asks for it so): a transform that can
+        write into its slot of the batch does, which saves a copy of every image."""
+        labels = torch.tensor([self.samples[k[0] if isinstance(k, tuple) else k][1] for k in keys])
+        if not isinstance(self.transform, CachedTrainTransform):
+            return default_collate([self[k] for k in keys])[0], labels
+        size = self.transform.size
+        batch = torch.empty(len(keys), 3, size, size)
+        for slot, (index, seed) in zip(batch, keys, strict=True):
+            with seeded(seed):
+                self.transform(self.load(index), out=slot)
+        return batch, labels
+
+
+def batched(batch):
+    """collate_fn for CachedImages: its __getitems__ returns the batch ready."""
+    return batch
+
+
+def _to_float(image: torch.Tensor) -> torch.Tensor:
+    return image.float().div(255)  # as ToTensor does, so both paths agree bit for bit
+
+
+class CachedTrainTransform:
+    """RandomResizedCrop + horizontal flip + normalisation on a cached uint8 CHW tensor.
+
+    The same augmentation as the decode path's, written against torchvision's functional
+    API: the transform classes' dispatch costs as much as the resize itself at this size.
+    """
+
+    def __init__(self, size: int, crop_scale_min: float = 0.08, hflip: float = 0.5):
+        self.size, self.scale, self.hflip = size, (crop_scale_min, 1.0), hflip
+        self.mean = torch.tensor(IMAGENET_MEAN).mul(255).view(3, 1, 1)
+        self.inv_std = torch.tensor(IMAGENET_STD).mul(255).reciprocal().view(3, 1, 1)
+
+    def crop_box(self, height: int, width: int, draws: list[float]) -> tuple[int, int, int, int]:
+        """RandomResizedCrop's box (torchvision's algorithm: 10 tries, then the centre),
+        from random numbers drawn all at once."""
+        area = height * width
+        low, high = math.log(3 / 4), math.log(4 / 3)
+        for attempt in range(10):
+            u = draws[4 * attempt : 4 * attempt + 4]
+            target = area * (self.scale[0] + (self.scale[1] - self.scale[0]) * u[0])
+            aspect = math.exp(low + (high - low) * u[1])
+            w = int(round(math.sqrt(target * aspect)))
+            h = int(round(math.sqrt(target / aspect)))
+            if 0 < w <= width and 0 < h <= height:
+                return int(u[2] * (height - h + 1)), int(u[3] * (width - w + 1)), h, w
+        ratio = width / height
+        if ratio < 3 / 4:
+            w, h = width, int(round(width / (3 / 4)))
+        elif ratio > 4 / 3:
+            h, w = height, int(round(height * (4 / 3)))
+        else:
+            w, h = width, height
+        return (height - h) // 2, (width - w) // 2, h, w
+
+    def __call__(self, image: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        draws = torch.rand(41).tolist()  # one call to the generator, not forty
+        top, left, height, width = self.crop_box(image.shape[-2], image.shape[-1], draws)
+        crop = F2.resized_crop(
+            image, top, left, height, width, [self.size, self.size], antialias=True
+        )
+        if self.hflip > 0 and draws[40] < self.hflip:
+            crop = crop.flip(-1)
+        out = crop.float() if out is None else out.copy_(crop)
+        return out.sub_(self.mean).mul_(self.inv_std)
+
+
+def cached_train_transform(size: int, crop_scale_min: float = 0.08, hflip: float = 0.5):
+    return CachedTrainTransform(size, crop_scale_min, hflip)
+
+
+def cached_eval_transform(size: int):
+    return v2.Compose([v2.CenterCrop(size), _to_float, v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)])

@@ -1,0 +1,92 @@
+"""Screen a data set for unreadable images before training, in parallel.
+
+Every rank decodes a disjoint shard of the file list (rank r takes r, r+W, ...) with its
+loader workers, and the findings are gathered, so every rank ends with the same list of
+bad files and, under ``--bad-images skip``, the same list of good ones.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
+
+from paratrain.data.folder import DataSplit, image_problem
+from paratrain.dist import comm
+from paratrain.errors import UserError
+from paratrain.report.log import get_logger
+
+
+class AgreedUserError(UserError):
+    """Raised alike on every rank after an agreement; only rank 0 reports it."""
+
+    agreed = True
+
+
+class _Probe(Dataset):
+    def __init__(self, paths: list[str]):
+        self.paths = paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> tuple[str, str]:
+        return self.paths[index], image_problem(self.paths[index]) or ""
+
+
+def find_bad_images(paths: list[str], rank: int, world: int, workers: int, show: bool) -> list:
+    """(path, reason) for every unreadable file, the same list on every rank."""
+    shard = paths[rank::world]
+    loader = DataLoader(_Probe(shard), batch_size=None, num_workers=workers)
+    found = []
+    with tqdm(
+        total=len(paths),
+        desc="checking images",
+        unit="img",
+        delay=1.0,
+        disable=not (show and sys.stderr.isatty()),
+        leave=False,
+    ) as bar:
+        for path, problem in loader:
+            if problem:
+                found.append((path, problem))
+            bar.update(world)
+    return sorted(pair for part in comm.all_gather_object(found) for pair in part)
+
+
+def screen(
+    split: DataSplit, policy: str, rank: int, world: int, workers: int, run_dir: Path | None
+) -> DataSplit:
+    """Apply ``--bad-images error|skip`` to a split; report ignored non-image files."""
+    log = get_logger()
+    if split.ignored:
+        log.info(f"ignored {split.ignored} file(s) without an image extension in {split.root}")
+    paths = [p for p, _ in split.train] + [p for p, _ in split.val]
+    bad = find_bad_images(paths, rank, world, workers, show=rank == 0)
+    if not bad:
+        return split
+    listing = "; ".join(f"{path} ({why})" for path, why in bad)
+    if policy == "error":
+        raise AgreedUserError(
+            f"{len(bad)} unreadable image(s) (--bad-images skip leaves them out): {listing}"
+        )
+    bad_paths = {path for path, _ in bad}
+    if run_dir is not None and rank == 0:
+        (run_dir / "bad_images.txt").write_text("".join(f"{p}\t{w}\n" for p, w in bad))
+    log.info(f"skipping {len(bad)} unreadable image(s); listed in {run_dir / 'bad_images.txt'}")
+    kept = replace(
+        split,
+        train=[s for s in split.train if s[0] not in bad_paths],
+        val=[s for s in split.val if s[0] not in bad_paths],
+    )
+    for name, part in (("train", kept.train), ("val", kept.val)):
+        present = {label for _, label in part}
+        missing = [c for i, c in enumerate(kept.classes) if i not in present]
+        if missing:
+            raise AgreedUserError(
+                f"after skipping unreadable images, {name} has no images of class(es) {missing}"
+            )
+    return kept

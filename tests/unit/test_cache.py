@@ -1,0 +1,85 @@
+"""The decoded-image cache gives the eval transform's exact tensors, and rebuilds on change."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+from PIL import Image
+
+from imagefolders import make_image_folder
+from paratrain.data.cache import (
+    CachedImages,
+    cached_eval_transform,
+    cached_train_transform,
+    prepare,
+)
+from paratrain.data.folder import ImageSamples, build_split
+from paratrain.data.transforms import eval_transform
+
+
+def _varied_folder(root):
+    data = make_image_folder(root, classes=2, per_class=6, size=(64, 48))
+    Image.fromarray(np.full((30, 90, 3), 77, np.uint8)).save(data / "class_0" / "wide.png")
+    exif = Image.Exif()
+    exif[0x0112] = 8
+    Image.fromarray(np.arange(50 * 20 * 3, dtype=np.uint8).reshape(50, 20, 3)).save(
+        data / "class_1" / "turned.jpg", exif=exif
+    )
+    return data
+
+
+def test_eval_tensors_are_identical_to_the_decode_path(tmp_path):
+    split = build_split(_varied_folder(tmp_path / "d"), val_fraction=0.5)
+    everything = split.train + split.val
+    cache = prepare(everything, 32, "on", 1.0, str(tmp_path / "cache"), workers=0)
+    assert cache is not None and (cache.directory / "COMPLETE").exists()
+    cached = CachedImages(everything, cache, 0, cached_eval_transform(32))
+    decoded = ImageSamples(everything, eval_transform(32))
+    for i in range(len(everything)):
+        assert torch.equal(cached[i][0], decoded[i][0]), everything[i][0]
+        assert cached[i][1] == decoded[i][1]
+
+
+def test_train_transform_on_cached_uint8(tmp_path):
+    split = build_split(_varied_folder(tmp_path / "d"))
+    cache = prepare(split.train, 24, "on", 1.0, str(tmp_path / "cache"), workers=0)
+    dataset = CachedImages(split.train, cache, 0, cached_train_transform(24, 0.3, 0.5))
+    image, _ = dataset[(0, 123)]
+    again, _ = dataset[(0, 123)]
+    other, _ = dataset[(0, 124)]
+    assert image.shape == (3, 24, 24) and image.dtype == torch.float32
+    assert torch.equal(image, again) and not torch.equal(image, other)  # seeded per sample
+    assert cache.image(0).dtype == torch.uint8 and min(cache.image(0).shape[1:]) == 27
+
+
+def test_changed_data_rebuilds_and_auto_respects_the_budget(tmp_path):
+    split = build_split(_varied_folder(tmp_path / "d"))
+    first = prepare(split.train, 32, "auto", 1.0, str(tmp_path / "cache"), workers=0)
+    same = prepare(split.train, 32, "auto", 1.0, str(tmp_path / "cache"), workers=0)
+    assert same.directory == first.directory
+    path = split.train[0][0]
+    Image.fromarray(np.zeros((48, 64, 3), np.uint8)).save(path)
+    os.utime(path, ns=(1, 1))
+    changed = prepare(split.train, 32, "auto", 1.0, str(tmp_path / "cache"), workers=0)
+    assert changed.directory != first.directory
+    assert changed.image(0).sum() == 0
+    assert prepare(split.train, 32, "auto", 1e-9, str(tmp_path / "other"), workers=0) is None
+    assert prepare(split.train, 32, "off", 1.0, str(tmp_path / "cache"), workers=0) is None
+
+
+def test_crop_boxes_stay_inside_and_follow_scale_and_ratio():
+    import math
+
+    transform = cached_train_transform(32, crop_scale_min=0.25)
+    generator = torch.Generator().manual_seed(0)
+    for height, width in [(40, 60), (60, 40), (27, 300), (300, 27)]:
+        for _ in range(200):
+            draws = torch.rand(41, generator=generator).tolist()
+            top, left, h, w = transform.crop_box(height, width, draws)
+            assert 0 <= top and top + h <= height and 0 <= left and left + w <= width
+            assert h > 0 and w > 0
+            if (height, width) in [(40, 60), (60, 40)]:  # the loop succeeds on such shapes
+                assert 0.25 * 0.8 <= h * w / (height * width) <= 1.0
+                assert math.log(3 / 4) - 0.2 <= math.log(w / h) <= math.log(4 / 3) + 0.2

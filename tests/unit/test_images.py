@@ -1,0 +1,99 @@
+"""Odd images become upright 3-channel RGB; bad ones are found, all of them."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from imagefolders import make_damaged_folder, make_image_folder
+from paratrain.data import folder as folder_module
+from paratrain.data.folder import build_split, image_problem, load_rgb
+from paratrain.data.scan import AgreedUserError, find_bad_images, screen
+from paratrain.data.transforms import eval_transform
+
+
+def _odd_images(root):
+    root.mkdir(parents=True, exist_ok=True)
+    rgb = np.zeros((20, 40, 3), dtype=np.uint8)
+    rgb[:4, :4] = (255, 0, 0)  # a red mark in the top-left corner
+    made = {}
+    made["L"] = Image.fromarray(rgb[..., 0]).convert("L")
+    made["LA"] = made["L"].convert("LA")
+    made["P"] = Image.fromarray(rgb).convert("P")
+    made["P"].info["transparency"] = 0
+    made["RGBA"] = Image.fromarray(rgb).convert("RGBA")
+    made["CMYK"] = Image.fromarray(rgb).convert("CMYK")
+    made["I;16"] = Image.fromarray(rgb[..., 0].astype(np.uint16) * 257)
+    paths = {}
+    for mode, image in made.items():
+        ext = ".jpg" if mode == "CMYK" else ".png"
+        paths[mode] = root / f"{mode.replace(';', '_')}{ext}"
+        image.save(paths[mode])
+    exif = Image.Exif()
+    exif[0x0112] = 6  # shown rotated 90 degrees clockwise
+    paths["exif"] = root / "rotated.jpg"
+    Image.fromarray(rgb).save(paths["exif"], exif=exif, quality=100)
+    return paths
+
+
+def test_every_mode_becomes_rgb_and_exif_orientation_is_applied(tmp_path):
+    paths = _odd_images(tmp_path / "odd")
+    for mode, path in paths.items():
+        image = load_rgb(str(path))
+        assert image.mode == "RGB", mode
+        tensor = eval_transform(16)(image)
+        assert tensor.shape == (3, 16, 16) and torch.isfinite(tensor).all(), mode
+        if mode != "exif":
+            assert image.size == (40, 20), mode
+    upright = np.asarray(load_rgb(str(paths["exif"])))
+    assert upright.shape == (40, 20, 3)  # width and height swapped
+    assert upright[:4, -4:, 0].mean() > 200 and upright[:4, :4, 0].mean() < 60  # mark moved right
+    assert np.asarray(load_rgb(str(paths["I;16"])))[:4, :4, 0].min() == 255
+
+
+def test_problems_are_named():
+    assert image_problem(__file__) is not None
+
+
+def test_error_mode_lists_exactly_the_bad_files(tmp_path):
+    data, bad = make_damaged_folder(tmp_path / "d")
+    split = build_split(data)
+    assert split.ignored == 3
+    found = find_bad_images([p for p, _ in split.train + split.val], 0, 1, workers=0, show=False)
+    assert [p for p, _ in found] == bad
+    assert dict(found)[bad[0]] != "" and "empty file" in dict(found).values()
+    with pytest.raises(AgreedUserError) as caught:
+        screen(split, "error", 0, 1, 0, tmp_path)
+    message = str(caught.value)
+    assert message.startswith("4 unreadable image(s)") and all(p in message for p in bad)
+
+
+def test_skip_mode_keeps_exactly_the_good_files(tmp_path):
+    data, bad = make_damaged_folder(tmp_path / "d")
+    split = build_split(data)
+    kept = screen(split, "skip", 0, 1, 0, tmp_path)
+    kept_paths = {p for p, _ in kept.train + kept.val}
+    assert kept_paths == {p for p, _ in split.train + split.val} - set(bad)
+    listed = [
+        line.split("\t")[0] for line in (tmp_path / "bad_images.txt").read_text().splitlines()
+    ]
+    assert listed == bad
+
+
+def test_a_slow_scan_shows_a_progress_bar(tmp_path, monkeypatch, capsys):
+    data = make_image_folder(tmp_path / "d", classes=2, per_class=12)
+    real = folder_module.image_problem
+
+    def slow(path):
+        time.sleep(0.06)
+        return real(path)
+
+    monkeypatch.setattr("paratrain.data.scan.image_problem", slow)
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True)  # as on a terminal
+    paths = [str(p) for p in sorted(data.rglob("*.jpg"))]
+    assert find_bad_images(paths, 0, 1, workers=0, show=True) == []
+    assert "checking images" in capsys.readouterr().err
