@@ -34,33 +34,7 @@ def _make_bn(kind: int) -> nn.Module:
     return bn
 
 
-def _reference(kind: int, sizes: list[int], channels_last: bool, steps: int = 2):
-    x, g = _global_batch(kind, sizes)
-    bn = _make_bn(kind)
-    xs = x.clone().requires_grad_(True)
-    inp = xs.to(memory_format=torch.channels_last) if channels_last else xs
-    for _ in range(steps):
-        bn.zero_grad()
-        xs.grad = None
-        out = bn(inp)
-        (out * g).sum().backward()
-    return {
-        "out": out.detach(),
-        "grad_x": xs.grad,
-        "grad_w": bn.weight.grad,
-        "grad_b": bn.bias.grad,
-        "running_mean": bn.running_mean,
-        "running_var": bn.running_var,
-        "num_batches_tracked": bn.num_batches_tracked,
-    }
-
-
-def _sync_rank(rank, world, kind, sizes, channels_last, steps=2):
-    x, g = _global_batch(kind, sizes)
-    start = sum(sizes[:rank])
-    x, g = x[start : start + sizes[rank]], g[start : start + sizes[rank]]
-    bn = SyncBatchNorm.convert(_make_bn(kind))
-    assert isinstance(bn, SyncBatchNorm)
+def _train_steps(bn: nn.Module, x: torch.Tensor, g: torch.Tensor, channels_last: bool, steps: int):
     xs = x.clone().requires_grad_(True)
     inp = xs.to(memory_format=torch.channels_last) if channels_last else xs
     for _ in range(steps):
@@ -78,6 +52,20 @@ def _sync_rank(rank, world, kind, sizes, channels_last, steps=2):
         "num_batches_tracked": bn.num_batches_tracked,
         "channels_last": out.is_contiguous(memory_format=torch.channels_last),
     }
+
+
+def _reference(kind: int, sizes: list[int], channels_last: bool, steps: int = 2):
+    x, g = _global_batch(kind, sizes)
+    return _train_steps(_make_bn(kind), x, g, channels_last, steps)
+
+
+def _sync_rank(rank, world, kind, sizes, channels_last, steps=2):
+    x, g = _global_batch(kind, sizes)
+    start = sum(sizes[:rank])
+    x, g = x[start : start + sizes[rank]], g[start : start + sizes[rank]]
+    bn = SyncBatchNorm.convert(_make_bn(kind))
+    assert isinstance(bn, SyncBatchNorm)
+    return _train_steps(bn, x, g, channels_last, steps)
 
 
 def _check_against_reference(results, reference, atol=1e-5):

@@ -142,9 +142,6 @@ def _bad_inputs(root: Path) -> dict[str, tuple[list[str], str]]:
     differ = make_image_folder(root / "differ", classes=2, per_class=6, layout="given")
     (differ / "val" / "class_1").rename(differ / "val" / "class_7")
     (root / "notweights.pt").write_text("hello")
-    corrupt = make_image_folder(root / "corrupt", classes=2, per_class=8)
-    for victim in sorted((corrupt / "class_1").iterdir())[:8]:
-        victim.write_bytes(victim.read_bytes()[:40])  # truncated JPEGs on every rank's shard
     d = str(good)
     return {
         "missing data": (
@@ -164,23 +161,6 @@ def _bad_inputs(root: Path) -> dict[str, tuple[list[str], str]]:
         "nproc 0": (["--data", d, "--nproc", "0"], "--nproc must be at least 1, got 0"),
         "batch 0": (["--data", d, "--batch-size", "0"], "--batch-size must be at least 1, got 0"),
         "bad flag": (["--data", d, "--epochs", "many"], "expected an integer, got 'many'"),
-        "corrupt image on the ranks": (
-            [
-                "--data",
-                str(corrupt),
-                "--nproc",
-                "2",
-                "--model",
-                "resnet18",
-                "--image-size",
-                "16",
-                "--batch-size",
-                "2",
-                "--workers",
-                "1",
-            ],
-            "cannot read image",
-        ),
     }
 
 
@@ -201,12 +181,11 @@ BAD_CASES = [
     "nproc 0",
     "batch 0",
     "bad flag",
-    "corrupt image on the ranks",
 ]
 
 
 # Run as a user runs them (a subprocess): proves no traceback and no hang across ranks.
-IN_SUBPROCESS = {"missing data", "bad flag", "corrupt image on the ranks"}
+IN_SUBPROCESS = {"missing data", "bad flag"}  # unreadable images on 2 ranks: test_data.py
 
 
 @pytest.mark.parametrize("case", BAD_CASES)

@@ -28,6 +28,25 @@ def _env(root: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+EVERY_2 = ["--deterministic", "--save-every-steps", "2"]
+
+
+def job(folder: Path, name: str, *extra: str, nproc: int = 2, epochs: int = 1) -> list[str]:
+    """The arguments of one small training job."""
+    return [
+        "--data",
+        str(folder),
+        "--nproc",
+        str(nproc),
+        "--epochs",
+        str(epochs),
+        "--name",
+        name,
+        *FAST,
+        *extra,
+    ]
+
+
 def run(root: Path, *args: str, timeout: float = 240, **env: str):
     start = time.monotonic()
     out = subprocess.run(
@@ -61,17 +80,7 @@ def test_a_failure_on_one_rank_ends_every_rank(data, nproc):
     root, folder = data
     tag = f"failrun{nproc}"
     out, seconds = run(
-        root,
-        "--data",
-        str(folder),
-        "--nproc",
-        str(nproc),
-        "--epochs",
-        "2",
-        "--name",
-        tag,
-        *FAST,
-        PARATRAIN_INJECT="rank=1,step=2,kind=raise",
+        root, *job(folder, tag, nproc=nproc, epochs=2), PARATRAIN_INJECT="rank=1,step=2,kind=raise"
     )
     assert out.returncode != 0
     assert seconds < 60
@@ -83,19 +92,7 @@ def test_a_failure_on_one_rank_ends_every_rank(data, nproc):
 def test_a_stuck_rank_ends_the_run_within_the_timeout(data):
     root, folder = data
     out, seconds = run(
-        root,
-        "--data",
-        str(folder),
-        "--nproc",
-        "2",
-        "--epochs",
-        "1",
-        "--timeout",
-        "5",
-        "--name",
-        "stuck",
-        *FAST,
-        PARATRAIN_INJECT="rank=1,step=2,kind=hang",
+        root, *job(folder, "stuck", "--timeout", "5"), PARATRAIN_INJECT="rank=1,step=2,kind=hang"
     )
     assert out.returncode != 0
     assert seconds < 5 + 30 + 15  # timeout + 30 s, plus start-up
@@ -105,19 +102,7 @@ def test_a_stuck_rank_ends_the_run_within_the_timeout(data):
 @pytest.fixture(scope="module")
 def uninterrupted(data):
     root, folder = data
-    out, _ = run(
-        root,
-        "--data",
-        str(folder),
-        "--nproc",
-        "2",
-        "--epochs",
-        "2",
-        "--deterministic",
-        "--name",
-        "straight",
-        *FAST,
-    )
+    out, _ = run(root, *job(folder, "straight", "--deterministic", epochs=2))
     assert out.returncode == 0, out.stderr
     return weights(root, "straight")
 
@@ -130,20 +115,7 @@ def _assert_bitwise_equal(a: dict, b: dict) -> None:
 
 def test_resume_mid_epoch_is_bit_exact(data, uninterrupted):
     root, folder = data
-    common = [
-        "--data",
-        str(folder),
-        "--nproc",
-        "2",
-        "--epochs",
-        "2",
-        "--deterministic",
-        "--save-every-steps",
-        "2",
-        "--name",
-        "broken",
-        *FAST,
-    ]
+    common = job(folder, "broken", *EVERY_2, epochs=2)
     crashed, _ = run(root, *common, PARATRAIN_INJECT="rank=1,step=9,kind=raise")
     assert crashed.returncode != 0
     state = torch.load(root / "runs/broken/checkpoints/last.pt", weights_only=False)
@@ -157,20 +129,7 @@ def test_resume_mid_epoch_is_bit_exact(data, uninterrupted):
 
 def test_resume_with_another_world_size_says_what_changed(data, uninterrupted):
     root, folder = data
-    out, _ = run(
-        root,
-        "--data",
-        str(folder),
-        "--nproc",
-        "1",
-        "--epochs",
-        "3",
-        "--name",
-        "straight",
-        "--resume",
-        "auto",
-        *FAST,
-    )
+    out, _ = run(root, *job(folder, "straight", "--resume", "auto", nproc=1, epochs=3))
     assert out.returncode == 0, out.stderr
     assert "world size 2 -> 1: global batch 8 -> 4, lr 0.02 -> 0.01" in out.stdout
     rows = (root / "runs/straight/metrics.jsonl").read_text().splitlines()
@@ -181,20 +140,7 @@ def test_killed_worker_restarts_and_ends_like_an_uninterrupted_run(data, uninter
     root, folder = data
     out, _ = run(
         root,
-        "--data",
-        str(folder),
-        "--nproc",
-        "2",
-        "--epochs",
-        "2",
-        "--deterministic",
-        "--save-every-steps",
-        "2",
-        "--max-restarts",
-        "1",
-        "--name",
-        "restarted",
-        *FAST,
+        *job(folder, "restarted", *EVERY_2, "--max-restarts", "1", epochs=2),
         PARATRAIN_INJECT="rank=1,step=9,kind=kill,attempt=0",
     )
     assert out.returncode == 0, out.stderr
@@ -206,17 +152,7 @@ def test_restart_budget_exhausted_names_the_rank(data):
     root, folder = data
     out, _ = run(
         root,
-        "--data",
-        str(folder),
-        "--nproc",
-        "2",
-        "--epochs",
-        "1",
-        "--max-restarts",
-        "1",
-        "--name",
-        "doomed",
-        *FAST,
+        *job(folder, "doomed", "--max-restarts", "1"),
         PARATRAIN_INJECT="rank=1,step=2,kind=kill",
     )
     assert out.returncode != 0
@@ -247,7 +183,7 @@ def test_sigterm_saves_at_a_step_boundary_and_exits_143(data):
     root, folder = data
     code, _, stderr = _start_and_signal(
         root,
-        ["--data", str(folder), "--nproc", "2", "--epochs", "50", "--name", "preempted", *FAST],
+        job(folder, "preempted", epochs=50),
         signal.SIGTERM,
     )
     assert code == 143, stderr
@@ -274,7 +210,7 @@ def test_sigusr1_under_slurm_requeues_the_array_task(data, tmp_path):
     )
     code, stdout, stderr = _start_and_signal(
         root,
-        ["--data", str(folder), "--epochs", "50", "--name", "slurmjob", "--requeue", *FAST],
+        job(folder, "slurmjob", "--requeue", nproc=1, epochs=50),
         signal.SIGUSR1,
         **slurm,
     )
@@ -286,19 +222,7 @@ def test_sigusr1_under_slurm_requeues_the_array_task(data, tmp_path):
 
 def test_nan_on_one_rank_aborts_every_rank_with_the_step(data):
     root, folder = data
-    out, _ = run(
-        root,
-        "--data",
-        str(folder),
-        "--nproc",
-        "2",
-        "--epochs",
-        "1",
-        "--name",
-        "nan",
-        *FAST,
-        PARATRAIN_INJECT="rank=1,step=2,kind=nan",
-    )
+    out, _ = run(root, *job(folder, "nan"), PARATRAIN_INJECT="rank=1,step=2,kind=nan")
     assert out.returncode == 3, out.stderr
     assert "non-finite loss at step 2 (epoch 1) on 1 rank(s)" in out.stderr
     assert "Traceback" not in out.stderr
@@ -308,17 +232,7 @@ def test_nan_on_one_rank_is_skipped_everywhere(data):
     root, folder = data
     out, _ = run(
         root,
-        "--data",
-        str(folder),
-        "--nproc",
-        "2",
-        "--epochs",
-        "1",
-        "--name",
-        "nanskip",
-        "--on-nonfinite",
-        "skip",
-        *FAST,
+        *job(folder, "nanskip", "--on-nonfinite", "skip"),
         PARATRAIN_INJECT="rank=1,step=2,kind=nan",
     )
     assert out.returncode == 0, out.stderr
@@ -333,19 +247,7 @@ def test_a_port_in_use_fails_fast_and_names_it(data):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        out, seconds = run(
-            root,
-            "--data",
-            str(folder),
-            "--nproc",
-            "2",
-            "--master-port",
-            str(port),
-            "--name",
-            "port",
-            *FAST,
-            timeout=60,
-        )
+        out, seconds = run(root, *job(folder, "port", "--master-port", str(port)), timeout=60)
     assert out.returncode == 2
     assert f"--master-port {port} is not available" in out.stderr
     assert seconds < 30
