@@ -1,0 +1,1 @@
+"""Process groups, environment detection, collectives and launching."""

@@ -1,0 +1,132 @@
+"""`paratrain check`: a self-test for a new machine or cluster.
+
+Every rank runs the same checks; results are all-reduced so that every rank agrees on
+pass or fail, and rank 0 prints one table. Known values make the collectives checkable:
+all_reduce of rank+1 must give W(W+1)/2, broadcast must deliver rank 0's tensor,
+all_gather must return every rank's id in order.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.dist import comm
+from paratrain.dist.runtime import Runtime
+from paratrain.parallel.sync_batchnorm import SyncBatchNorm
+
+BANDWIDTH_SIZES_MB = (1, 16, 64)
+
+
+@dataclass
+class Row:
+    name: str
+    ok: bool
+    detail: str
+
+
+def run_checks(rt: Runtime, bandwidth_sizes_mb=BANDWIDTH_SIZES_MB) -> list[Row]:
+    rows = [_backends(rt), _placement(rt)]
+    rows += [_all_reduce(rt), _broadcast(rt), _all_gather(rt), _sync_bn(rt)]
+    rows += [_bandwidth(rt, size) for size in bandwidth_sizes_mb]
+    # every rank must agree on every verdict, so a failure anywhere fails everywhere
+    verdicts = comm.all_reduce_sum(torch.tensor([0 if r.ok else 1 for r in rows]))
+    for row, failures in zip(rows, verdicts.tolist(), strict=True):
+        if failures and row.ok:
+            row.ok, row.detail = False, f"{row.detail} (failed on {failures} rank(s))"
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    width = max(len(r.name) for r in rows)
+    lines = [f"{'check'.ljust(width)}  result  detail", "-" * (width + 40)]
+    lines += [f"{r.name.ljust(width)}  {'ok' if r.ok else 'FAIL':6}  {r.detail}" for r in rows]
+    return "\n".join(lines)
+
+
+def _backends(rt: Runtime) -> Row:
+    have = [name for name, ok in (("gloo", dist.is_gloo_available()),
+                                  ("nccl", dist.is_nccl_available()),
+                                  ("mpi", dist.is_mpi_available())) if ok]
+    cuda = f"cuda x{torch.cuda.device_count()}" if torch.cuda.is_available() else "no cuda"
+    return Row("backends", bool(have), f"available: {', '.join(have) or 'none'}; {cuda}; "
+               f"using {rt.backend}")
+
+
+def _placement(rt: Runtime) -> Row:
+    seen = comm.all_gather_object((rt.rank, socket.gethostname(), str(rt.device)))
+    ranks_ok = [r for r, _, _ in seen] == list(range(rt.world_size))
+    hosts = sorted({h for _, h, _ in seen})
+    detail = "; ".join(f"rank {r}: {h} {d}" for r, h, d in seen[:8])
+    more = f" ... ({len(seen)} ranks on {len(hosts)} host(s))" if len(seen) > 8 else ""
+    return Row("rank placement", ranks_ok, detail + more)
+
+
+def _all_reduce(rt: Runtime) -> Row:
+    value = comm.all_reduce_sum(torch.full((1024,), float(rt.rank + 1)))
+    expected = rt.world_size * (rt.world_size + 1) / 2
+    ok = bool(torch.all(value == expected))
+    return Row("all_reduce", ok, f"sum of rank+1 = {value[0].item():g}, expected {expected:g}")
+
+
+def _broadcast(rt: Runtime) -> Row:
+    reference = torch.arange(1000, dtype=torch.float32)
+    tensor = reference.clone() if rt.rank == 0 else torch.zeros(1000)
+    buffer = tensor.to(comm.comm_device())
+    dist.broadcast(buffer, src=0)
+    ok = torch.equal(buffer.cpu(), reference)
+    return Row("broadcast", ok, "rank 0's arange(1000) received" if ok else "wrong data received")
+
+
+def _all_gather(rt: Runtime) -> Row:
+    mine = torch.tensor([float(rt.rank)], device=comm.comm_device())
+    out = [torch.zeros_like(mine) for _ in range(rt.world_size)]
+    dist.all_gather(out, mine)
+    got = [int(t.item()) for t in out]
+    return Row("all_gather", got == list(range(rt.world_size)), f"gathered ranks {got[:16]}")
+
+
+def _sync_bn(rt: Runtime) -> Row:
+    """A small conv+BN model: the global batch split across ranks vs. one BatchNorm."""
+    torch.manual_seed(0)
+    per_rank = 3
+    x = torch.randn(per_rank * rt.world_size, 3, 8, 8) * 2 + 0.5
+    model = nn.Sequential(nn.Conv2d(3, 6, 3), nn.BatchNorm2d(6), nn.ReLU())
+    reference = model(x)
+    reference.square().sum().backward()
+    ref_grad = model[0].weight.grad.clone()
+    model.zero_grad()
+    synced = SyncBatchNorm.convert(model).to(rt.device)
+    local = x[rt.rank * per_rank : (rt.rank + 1) * per_rank].to(rt.device)
+    out = synced(local)
+    out.square().sum().backward()
+    grad = comm.all_reduce_sum(synced[0].weight.grad.detach().cpu())
+    out_err = (out.detach().cpu() - reference[rt.rank * per_rank : (rt.rank + 1) * per_rank]).abs().max()
+    grad_err = ((grad - ref_grad).abs().max() / ref_grad.abs().max()).item()
+    ok = out_err.item() < 1e-4 and grad_err < 1e-4
+    return Row("SyncBatchNorm", ok, f"max output error {out_err.item():.1e}, grad error {grad_err:.1e}")
+
+
+def _bandwidth(rt: Runtime, size_mb: int) -> Row:
+    numel = size_mb * 2**20 // 4
+    buffer = torch.ones(numel, dtype=torch.float32, device=comm.comm_device())
+    for _ in range(2):
+        dist.all_reduce(buffer)
+    comm.barrier()
+    repeats = 5 if size_mb <= 16 else 3
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dist.all_reduce(buffer)
+    if buffer.is_cuda:
+        torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / repeats
+    n = rt.world_size
+    algorithm = size_mb * 2**20 / seconds / 1e9
+    bus = algorithm * 2 * (n - 1) / n  # what each link carries in a ring all-reduce
+    return Row(f"all_reduce {size_mb} MB", True,
+               f"{seconds * 1e3:.2f} ms, algorithm {algorithm:.2f} GB/s, bus {bus:.2f} GB/s")

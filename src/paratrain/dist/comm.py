@@ -1,0 +1,80 @@
+"""Collectives that never hard-code a device.
+
+The tensor's device follows the process group's backend: CPU for gloo, the current CUDA
+device for nccl. Every helper is a no-op (or the identity) without a process group, so
+the same code runs on one process.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+def is_dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if is_dist() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_dist() else 1
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def comm_device() -> torch.device:
+    """The device collectives on the default group must use."""
+    if is_dist() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over all ranks; returns a new tensor on the input's device."""
+    if not is_dist():
+        return tensor.clone()
+    buffer = tensor.detach().to(comm_device(), copy=True)
+    dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
+    return buffer.to(tensor.device)
+
+
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    if not is_dist():
+        return tensor.clone()
+    buffer = tensor.detach().to(comm_device(), copy=True)
+    dist.all_reduce(buffer, op=dist.ReduceOp.MAX)
+    return buffer.to(tensor.device)
+
+
+def broadcast_object(obj: T, src: int = 0) -> T:
+    """Send a picklable object from rank ``src`` to every rank."""
+    if not is_dist():
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src, device=comm_device())
+    return holder[0]
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    if not is_dist():
+        return [obj]
+    gathered: list[Any] = [None] * world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def barrier() -> None:
+    if is_dist():
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[torch.cuda.current_device()])
+        else:
+            dist.barrier()

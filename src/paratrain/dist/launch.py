@@ -1,0 +1,110 @@
+"""Local multi-process launch through torch's own elastic launcher (torchrun).
+
+``paratrain train --nproc N ...`` becomes ``torchrun --standalone --nproc-per-node N
+-m paratrain train ...``, run in-process through ``torch.distributed.run``: a c10d
+rendezvous on a free local port, and torch's agent watching the workers. When one
+worker fails the agent stops the others, so no rank is left hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+from collections.abc import Sequence
+
+from paratrain.dist.runtime import threads_per_process
+from paratrain.errors import UserError
+
+
+# Exit code of a worker whose collective failed because another rank went away: the
+# launcher then reports the rank that failed first for a reason of its own.
+PEER_LOST = 10
+_PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+               "Timed out", "timed out", "Socket closed")
+
+
+def is_peer_loss(exc: BaseException) -> bool:
+    import torch.distributed as dist
+
+    text = str(exc)
+    return isinstance(exc, dist.DistBackendError) or (
+        isinstance(exc, RuntimeError) and any(sign in text for sign in _PEER_SIGNS)
+    )
+
+
+def root_cause(failures: dict) -> tuple[int, object]:
+    """The failure that caused the others: not a lost peer, not killed by the agent."""
+    def secondary(failure) -> bool:
+        return failure.exitcode in (PEER_LOST, -15)
+
+    ranked = sorted(failures.items(), key=lambda item: (secondary(item[1]), item[1].timestamp))
+    return ranked[0]
+
+
+def under_launcher(environ: dict[str, str] | None = None) -> bool:
+    """True inside a worker started by torchrun/--nproc or by SLURM's srun."""
+    environ = os.environ if environ is None else environ
+    return "RANK" in environ or "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ
+
+
+def check_port_free(port: int, host: str = "127.0.0.1") -> None:
+    """Fail at once, naming the port, rather than after a rendezvous time-out."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise UserError(f"--master-port {port} is not available on {host}: {exc.strerror}") from None
+
+
+def launch(
+    nproc: int, argv: Sequence[str], max_restarts: int = 0, master_port: int | None = None
+) -> int:
+    """Run ``python -m paratrain <argv>`` in ``nproc`` workers; return the exit code."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    if master_port is not None:
+        check_port_free(master_port)
+        rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{master_port}",
+                      f"--rdzv-id=paratrain-{os.getpid()}"]
+    else:
+        rendezvous = ["--standalone"]  # c10d on a free port chosen by the OS
+
+    # torchrun would otherwise pin every worker to one thread and print a notice about it.
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(nproc)))
+    for name in ("torch.distributed.elastic", "torch.distributed.run"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    args = torchrun.parse_args(
+        [
+            *rendezvous,
+            f"--nproc-per-node={nproc}",
+            f"--max-restarts={max_restarts}",
+            "--monitor-interval=0.5",
+            "--module",
+            "paratrain",
+        ]
+    )
+    # Set after parsing: torchrun's own parser would read the worker's flags as its own.
+    args.training_script_args = list(argv)
+    try:
+        torchrun.run(args)
+    except SignalException as stopped:  # the launcher itself was told to stop
+        return 128 + int(stopped.sigval)
+    except ChildFailedError as failed:
+        rank, failure = root_cause(failed.failures)
+        restarts = f" (after {max_restarts} restart(s))" if max_restarts else ""
+        if failure.exitcode < 0:
+            print(
+                f"paratrain: error: rank {rank} was killed by signal {failure.signal_name()}"
+                f"{restarts}",
+                file=sys.stderr,
+            )
+            return 1
+        if restarts or failure.exitcode not in (2, 3) and failure.exitcode < 128:
+            print(f"paratrain: error: rank {rank} failed with exit code {failure.exitcode}"
+                  f"{restarts}", file=sys.stderr)
+        return failure.exitcode or 1
+    return 0

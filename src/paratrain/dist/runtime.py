@@ -1,0 +1,130 @@
+"""Process group lifetime, backend and device choice, per-process threads and seeding."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from paratrain.dist.env import DistEnv
+from paratrain.errors import UserError
+
+
+@dataclass(frozen=True)
+class Runtime:
+    env: DistEnv
+    device: torch.device
+    backend: str | None  # None when no process group is needed
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.is_main
+
+
+def choose_device(env: DistEnv, requested: str | None = None) -> torch.device:
+    """cuda:LOCAL_RANK where CUDA is present (or asked for), else cpu."""
+    if requested is not None:
+        if requested.startswith("cuda") and not torch.cuda.is_available():
+            raise UserError(f"--device {requested}: CUDA is not available on this machine")
+        if requested == "cuda":
+            return torch.device("cuda", env.local_rank % torch.cuda.device_count())
+        try:
+            return torch.device(requested)
+        except RuntimeError:
+            raise UserError(f"--device: not a device name: {requested!r}") from None
+    if torch.cuda.is_available():
+        return torch.device("cuda", env.local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def choose_backend(device: torch.device, requested: str | None = None) -> str:
+    if requested == "nccl" and device.type != "cuda":
+        raise UserError("--backend nccl needs CUDA devices; use gloo on CPU")
+    if requested is not None:
+        return requested
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def threads_per_process(local_world_size: int) -> int:
+    """Share this machine's cores among the processes started on it."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(local_world_size, 1))
+
+
+@contextmanager
+def distributed(
+    env: DistEnv,
+    device: str | None = None,
+    backend: str | None = None,
+    timeout_s: float = 600.0,
+) -> Iterator[Runtime]:
+    """Initialise the process group for this worker and always tear it down."""
+    dev = choose_device(env, device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if "OMP_NUM_THREADS" not in os.environ or env.source == "torchrun":
+        torch.set_num_threads(threads_per_process(env.local_world_size))
+    if not env.distributed:
+        yield Runtime(env=env, device=dev, backend=None)
+        return
+    chosen = choose_backend(dev, backend)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(
+        backend=chosen,
+        store=_store(env, timeout),
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timeout,
+        device_id=dev if dev.type == "cuda" else None,
+    )
+    try:
+        yield Runtime(env=env, device=dev, backend=chosen)
+    except BaseException:
+        # A launched worker that fails exits right after reporting. Closing the group
+        # first would let peers report a lost connection before this rank reports the
+        # cause; the sockets close with the process instead.
+        if env.source == "single" or not os.environ.get("TORCHELASTIC_RUN_ID"):
+            dist.destroy_process_group()
+        raise
+    dist.destroy_process_group()
+
+
+def _store(env: DistEnv, timeout: datetime.timedelta) -> dist.Store:
+    """torch's own env:// (torchrun) or tcp:// (SLURM) rendezvous store, with a prefix per
+    restart attempt: torchrun's agent keeps one store across restarts, and without the
+    prefix a restarted worker can read the previous attempt's peer addresses."""
+    from torch.distributed.rendezvous import rendezvous
+
+    if env.source == "slurm":
+        url = f"tcp://{_host_for_url(env.master_addr)}:{env.master_port}"
+    else:
+        url = "env://"
+    store, _, _ = next(rendezvous(url, rank=env.rank, world_size=env.world_size, timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"paratrain/attempt_{attempt}/", store)
+
+
+def _host_for_url(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (CPU and CUDA) with the same value."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
