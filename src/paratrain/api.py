@@ -138,10 +138,20 @@ def evaluate_checkpoint(
         if code:
             raise SystemExit(code)
         return None
-    return _evaluate_worker(state, saved, split, batch_size, workers, env)
+    return _evaluate_worker(state, saved, split, batch_size, workers, env, checkpoint_path)
 
 
-def _evaluate_worker(state, saved: TrainConfig, split, batch_size, workers, env) -> dict:
+def _eval_dir(state_path: str) -> Path:
+    """<run>/eval for a checkpoint inside a run directory, else eval-<name> beside it."""
+    path = Path(state_path)
+    if path.parent.name == "checkpoints":
+        return path.parent.parent / "eval"
+    return path.parent / f"eval-{path.stem}"
+
+
+def _evaluate_worker(
+    state, saved: TrainConfig, split, batch_size, workers, env, saved_path: str
+) -> dict:
     from torch.utils.data import DataLoader
 
     from paratrain.data.folder import ImageSamples
@@ -166,8 +176,17 @@ def _evaluate_worker(state, saved: TrainConfig, split, batch_size, workers, env)
             sampler=ShardedEvalSampler(len(dataset), rt.rank, rt.world_size),
             num_workers=n_workers,
         )
-        result = evaluate(model, loader, rt.device, len(split.classes))
-        return {**result.as_dict(), "world_size": rt.world_size}
+        result = evaluate(model, loader, rt.device, len(split.classes), detailed=True)
+        report = {**result.as_dict(), "world_size": rt.world_size}
+        if rt.is_main:
+            from paratrain.report.evaluation import write_evaluation
+
+            out = write_evaluation(result, split, _eval_dir(state_path=saved_path))
+            report.update(
+                per_class=dict(zip(split.classes, result.per_class_accuracy(), strict=True)),
+                report_dir=str(out),
+            )
+        return report
 
 
 def print_error(message: str) -> None:

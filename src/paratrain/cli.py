@@ -227,6 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--workers", type=_positive_int, default=None)
     ev.add_argument("--nproc", type=_positive_int, default=1)
     ev.add_argument("--json", action="store_true", help="print the result as JSON")
+    pred = sub.add_parser("predict", help="class probabilities for images or folders of images")
+    pred.add_argument("--checkpoint", required=True, help="a paratrain checkpoint (.pt)")
+    pred.add_argument("inputs", nargs="+", help="image files and/or folders")
+    pred.add_argument("--top-k", type=_positive_int, default=5)
+    pred.add_argument("--batch-size", type=_positive_int, default=64)
+    pred.add_argument("--csv", default=None, help="also write the predictions to this CSV file")
+    pred.add_argument("--device", default="cpu")
     sub.add_parser("models", help="list the model names --model accepts")
     check = sub.add_parser(
         "check", help="self-test: backends, collectives, SyncBatchNorm, bandwidth"
@@ -300,6 +307,8 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
         return 0
     if args.command == "eval":
         return _eval(args, argv)
+    if args.command == "predict":
+        return _predict(args)
     if args.command == "check":
         from paratrain.api import check
 
@@ -342,4 +351,21 @@ def _eval(args: argparse.Namespace, argv: list[str]) -> int:
             f"{result['count']} images on {result['world_size']} process(es): "
             f"loss {result['loss']:.4f}  top1 {result['top1']:.2%}{top5}"
         )
+        width = max(len(name) for name in result["per_class"])
+        for name, accuracy in result["per_class"].items():
+            print(f"  {name.ljust(width)}  {accuracy:.2%}")
+        print(
+            f"per-class accuracy, confusion matrix and misclassified files in {result['report_dir']}"
+        )
+    return 0
+
+
+def _predict(args: argparse.Namespace) -> int:
+    from paratrain.engine.predict import predict, write_csv
+
+    rows = predict(args.checkpoint, args.inputs, args.top_k, args.batch_size, args.device)
+    for row in rows:
+        print(f"{row['path']}: " + ", ".join(f"{name} {p:.3f}" for name, p in row["top"]))
+    if args.csv:
+        write_csv(rows, args.csv)
     return 0

@@ -23,9 +23,15 @@ class EvalResult:
     top1: float
     top5: float | None  # only with at least 5 classes
     count: int
+    confusion: torch.Tensor | None = None  # [true, predicted] counts over every rank
+    predictions: list[tuple[int, int]] | None = None  # (dataset index, predicted class)
 
     def as_dict(self) -> dict:
         return {"loss": self.loss, "top1": self.top1, "top5": self.top5, "count": self.count}
+
+    def per_class_accuracy(self) -> list[float]:
+        totals = self.confusion.sum(dim=1).clamp(min=1)
+        return (self.confusion.diagonal() / totals).tolist()
 
 
 def logits_of(output) -> torch.Tensor:
@@ -35,14 +41,22 @@ def logits_of(output) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, loader: DataLoader, device: torch.device, num_classes: int
+    model: nn.Module,
+    loader: DataLoader,
+    device: torch.device,
+    num_classes: int,
+    detailed: bool = False,
 ) -> EvalResult:
+    """Loss, top-1 and top-5 over every rank's shard; with ``detailed``, also the confusion
+    matrix and every sample's prediction (dataset indices from the loader's sampler)."""
     was_training = model.training
     model.eval()
     k = 5 if num_classes >= 5 else None
     losses: list[torch.Tensor] = []
     correct1 = torch.zeros((), dtype=torch.int64)
     correct5 = torch.zeros((), dtype=torch.int64)
+    confusion = torch.zeros(num_classes * num_classes, dtype=torch.int64)
+    predicted: list[int] = []
     for images, labels in loader:
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
@@ -53,6 +67,10 @@ def evaluate(
         correct1 += hits[:, 0].sum().cpu()
         if k:
             correct5 += hits.any(dim=1).sum().cpu()
+        if detailed:
+            pairs = (labels * num_classes + top[:, 0]).cpu()
+            confusion += torch.bincount(pairs, minlength=num_classes * num_classes)
+            predicted += top[:, 0].tolist()
     model.train(was_training)
 
     local = torch.cat(losses) if losses else torch.zeros(0, dtype=torch.float64)
@@ -62,9 +80,18 @@ def evaluate(
     n = int(counts[2])
     if n == 0:
         return EvalResult(loss=float("nan"), top1=float("nan"), top5=None, count=0)
+    details = {}
+    if detailed:
+        indices = list(getattr(loader.sampler, "indices", range(len(predicted))))
+        mine = list(zip(indices, predicted, strict=True))
+        details = {
+            "confusion": comm.all_reduce_sum(confusion).view(num_classes, num_classes),
+            "predictions": sorted(p for part in comm.all_gather_object(mine) for p in part),
+        }
     return EvalResult(
         loss=math.fsum(all_losses) / n,
         top1=int(counts[0]) / n,
         top5=int(counts[1]) / n if k else None,
         count=n,
+        **details,
     )

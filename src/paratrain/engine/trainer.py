@@ -43,6 +43,7 @@ from paratrain.models.registry import create_model, load_weights, read_state_dic
 from paratrain.parallel import ModelParts, parallelize
 from paratrain.report.log import get_logger
 from paratrain.report.metrics import MetricsWriter, format_epoch
+from paratrain.report.plots import plot_curves
 
 
 class NonFiniteLoss(UserError):
@@ -293,6 +294,7 @@ def fit(cfg: TrainConfig, rt: Runtime) -> dict:
             saver.save(progress, val_top1=result.top1)
             if rt.is_main:
                 metrics.write(row)
+                plot_curves(metrics.read(), run_dir / "curves.png")
                 log.info(format_epoch(row, cfg.epochs))
     finally:
         guard.uninstall()

@@ -1,0 +1,88 @@
+"""Use a trained checkpoint: class probabilities for images and folders of images."""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from paratrain.config import TrainConfig
+from paratrain.data.folder import IMAGE_EXTENSIONS, load_rgb
+from paratrain.data.transforms import eval_transform
+from paratrain.engine import checkpoint
+from paratrain.engine.evaluate import logits_of
+from paratrain.errors import UserError
+from paratrain.models.registry import create_model
+
+
+def collect_images(inputs: Sequence[str]) -> list[str]:
+    """Files as given; folders searched recursively for images, sorted."""
+    found: list[str] = []
+    for item in inputs:
+        path = Path(item)
+        if path.is_dir():
+            found += sorted(
+                os.path.join(d, f)
+                for d, _, files in os.walk(path)
+                for f in files
+                if f.lower().endswith(IMAGE_EXTENSIONS)
+            )
+        elif path.is_file():
+            found.append(str(path))
+        else:
+            raise UserError(f"no such image or folder: {path}")
+    if not found:
+        raise UserError(f"no images found in {', '.join(inputs)}")
+    return found
+
+
+def load_for_inference(checkpoint_path: str, device: torch.device):
+    """The checkpoint's model (eval mode), its config and its class names."""
+    state = checkpoint.load(checkpoint_path)
+    config = TrainConfig.from_dict(state["config"], source=checkpoint_path)
+    model = create_model(config.model, len(state["classes"]), config.image_size)
+    model.load_state_dict(state["model"])
+    return model.to(device).eval(), config, state["classes"]
+
+
+@torch.no_grad()
+def predict(
+    checkpoint_path: str,
+    inputs: Sequence[str],
+    top_k: int = 5,
+    batch_size: int = 64,
+    device: str = "cpu",
+) -> list[dict]:
+    """One row per image: its path and the top-k (class, probability) pairs."""
+    if top_k < 1:
+        raise UserError(f"--top-k must be at least 1, got {top_k}")
+    model, config, classes = load_for_inference(checkpoint_path, torch.device(device))
+    transform = eval_transform(config.image_size)
+    paths = collect_images(inputs)
+    k = min(top_k, len(classes))
+    rows = []
+    for start in range(0, len(paths), batch_size):
+        chunk = paths[start : start + batch_size]
+        batch = torch.stack([transform(load_rgb(p)) for p in chunk]).to(device)
+        probabilities = logits_of(model(batch)).float().softmax(dim=1)
+        values, indices = probabilities.topk(k, dim=1)
+        for path, vals, idx in zip(chunk, values.tolist(), indices.tolist(), strict=True):
+            rows.append(
+                {"path": path, "top": [(classes[i], v) for i, v in zip(idx, vals, strict=True)]}
+            )
+    return rows
+
+
+def write_csv(rows: list[dict], path: str) -> None:
+    k = len(rows[0]["top"]) if rows else 0
+    header = ["path"] + [f"{name}_{n}" for n in range(1, k + 1) for name in ("class", "prob")]
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(header)
+        for row in rows:
+            writer.writerow(
+                [row["path"]] + [x for pair in row["top"] for x in (pair[0], f"{pair[1]:.6f}")]
+            )

@@ -1,0 +1,61 @@
+"""Pictures of a run: training curves and confusion matrices (matplotlib, no display)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def plot_curves(rows: Sequence[dict[str, Any]], path: Path) -> None:
+    """curves.png: train and validation loss, validation top-1, learning rate per epoch."""
+    epochs = [r["epoch"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    axes[0].plot(epochs, [r["train_loss"] for r in rows], "o-", label="train")
+    axes[0].plot(epochs, [r["val_loss"] for r in rows], "o-", label="validation")
+    axes[0].set_title("loss")
+    axes[0].legend()
+    axes[1].plot(epochs, [100 * r["val_top1"] for r in rows], "o-", color="tab:green")
+    axes[1].set_title("validation top-1 (%)")
+    axes[2].plot(epochs, [r["lr"] for r in rows], "o-", color="tab:purple")
+    axes[2].set_title("learning rate")
+    for ax in axes:
+        ax.set_xlabel("epoch")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_confusion(matrix: np.ndarray, classes: Sequence[str], path: Path) -> None:
+    """confusion_matrix.png: rows are true classes, columns predictions, shares per row."""
+    shares = matrix / np.maximum(matrix.sum(axis=1, keepdims=True), 1)
+    size = max(4.0, 0.45 * len(classes) + 2)
+    fig, ax = plt.subplots(figsize=(size, size))
+    ax.imshow(shares, cmap="Blues", vmin=0, vmax=1)
+    ticks = range(len(classes))
+    ax.set_xticks(ticks, classes, rotation=90)
+    ax.set_yticks(ticks, classes)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    if len(classes) <= 20:
+        for i in ticks:
+            for j in ticks:
+                ax.text(
+                    j,
+                    i,
+                    int(matrix[i, j]),
+                    ha="center",
+                    va="center",
+                    color="white" if shares[i, j] > 0.5 else "black",
+                    fontsize=8,
+                )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
