@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -72,12 +71,17 @@ def train(config: TrainConfig, argv: Sequence[str] | None = None) -> dict | None
             # restarted workers must find this run again, so its name is fixed up front
             config.name = time.strftime("%Y%m%d-%H%M%S")
             argv = [*argv, "--name", config.name] if argv is not None else None
-        code = launch(
-            config.nproc,
-            argv if argv is not None else _argv_for(config),
-            max_restarts=config.max_restarts,
-            master_port=config.master_port,
-        )
+        config_file = None if argv is not None else _argv_for(config)
+        try:
+            code = launch(
+                config.nproc,
+                argv if argv is not None else config_file,
+                max_restarts=config.max_restarts,
+                master_port=config.master_port,
+            )
+        finally:
+            if config_file is not None:
+                Path(config_file[-1]).unlink(missing_ok=True)
         if code:
             raise SystemExit(code)
         return None
@@ -187,10 +191,6 @@ def _evaluate_worker(
                 report_dir=str(out),
             )
         return report
-
-
-def print_error(message: str) -> None:
-    print(f"paratrain: error: {message}", file=sys.stderr)
 
 
 def check(

@@ -47,14 +47,6 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return buffer.to(tensor.device)
 
 
-def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
-    if not is_dist():
-        return tensor.clone()
-    buffer = tensor.detach().to(comm_device(), copy=True)
-    dist.all_reduce(buffer, op=dist.ReduceOp.MAX)
-    return buffer.to(tensor.device)
-
-
 def broadcast_object(obj: T, src: int = 0) -> T:
     """Send a picklable object from rank ``src`` to every rank."""
     if not is_dist():

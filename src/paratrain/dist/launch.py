@@ -43,12 +43,6 @@ def root_cause(failures: dict) -> tuple[int, object]:
     return ranked[0]
 
 
-def under_launcher(environ: dict[str, str] | None = None) -> bool:
-    """True inside a worker started by torchrun/--nproc or by SLURM's srun."""
-    environ = os.environ if environ is None else environ
-    return "RANK" in environ or "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ
-
-
 def check_port_free(port: int, host: str = "127.0.0.1") -> None:
     """Fail at once, naming the port, rather than after a rendezvous time-out."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
