@@ -28,6 +28,19 @@ DIGITS_PRESET = {
 }
 
 
+# What AdamW is usually run with (timm, torchvision's ViT recipes use similar values).
+ADAMW_DEFAULTS = {"lr": 0.001, "weight_decay": 0.05}
+
+
+def require_tensorboard() -> None:
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        raise UserError(
+            "--tensorboard needs the tensorboard package: pip install tensorboard"
+        ) from None
+
+
 def resolve(values: dict) -> tuple[TrainConfig, bool]:
     """Build the config from user values; with no --data, fill in the digits preset.
 
@@ -35,9 +48,14 @@ def resolve(values: dict) -> tuple[TrainConfig, bool]:
     gave always win over the preset.
     """
     builtin = not values.get("data")
+    given = values
     if builtin:
         values = {**DIGITS_PRESET, **values}
+    if given.get("opt") == "adamw":  # SGD's learning rate would be far too large for AdamW
+        values = {**values, **ADAMW_DEFAULTS, **given}
     cfg = TrainConfig.from_dict(values, source="arguments").validate()
+    if cfg.tensorboard:
+        require_tensorboard()
     if builtin:
         cfg.data = str(ensure_digits(cfg.cache_dir))
     return cfg, builtin
@@ -62,6 +80,8 @@ def train(config: TrainConfig, argv: Sequence[str] | None = None) -> dict | None
     launcher process, whose workers report through the run directory.
     """
     config.validate()
+    if config.tensorboard:
+        require_tensorboard()
     env = detect(os.environ)
     if config.nproc > 1 and env.source == "single":
         from paratrain.dist.launch import launch
@@ -115,9 +135,11 @@ def evaluate_checkpoint(
     workers: int | None = None,
     nproc: int = 1,
     argv: Sequence[str] | None = None,
+    ema: bool = False,
 ) -> dict | None:
     """Evaluate a checkpoint on a data folder's validation part, at any world size."""
     from paratrain.engine import checkpoint
+    from paratrain.engine.predict import weights_of
 
     if batch_size < 1:
         raise UserError(f"--batch-size must be at least 1, got {batch_size}")
@@ -135,6 +157,7 @@ def evaluate_checkpoint(
             f"classes of {data_dir} ({len(split.classes)}) differ from the checkpoint's "
             f"({len(state['classes'])}): {split.classes[:5]} vs {state['classes'][:5]}"
         )
+    weights = weights_of(state, checkpoint_path, ema)
     if nproc > 1 and env.source == "single":
         from paratrain.dist.launch import launch
 
@@ -142,19 +165,20 @@ def evaluate_checkpoint(
         if code:
             raise SystemExit(code)
         return None
-    return _evaluate_worker(state, saved, split, batch_size, workers, env, checkpoint_path)
+    report_dir = _eval_dir(checkpoint_path, "-ema" if ema else "")
+    return _evaluate_worker(weights, saved, split, batch_size, workers, env, report_dir)
 
 
-def _eval_dir(state_path: str) -> Path:
+def _eval_dir(state_path: str, suffix: str = "") -> Path:
     """<run>/eval for a checkpoint inside a run directory, else eval-<name> beside it."""
     path = Path(state_path)
     if path.parent.name == "checkpoints":
-        return path.parent.parent / "eval"
-    return path.parent / f"eval-{path.stem}"
+        return path.parent.parent / f"eval{suffix}"
+    return path.parent / f"eval-{path.stem}{suffix}"
 
 
 def _evaluate_worker(
-    state, saved: TrainConfig, split, batch_size, workers, env, saved_path: str
+    weights, saved: TrainConfig, split, batch_size, workers, env, report_dir: Path
 ) -> dict:
     from torch.utils.data import DataLoader
 
@@ -170,7 +194,7 @@ def _evaluate_worker(
     setup_logging(env.rank, env.world_size)
     with distributed(env, saved.device, saved.backend, saved.timeout) as rt:
         model = create_model(saved.model, len(split.classes), saved.image_size)
-        model.load_state_dict(state["model"])
+        model.load_state_dict(weights)
         model.to(rt.device)
         dataset = ImageSamples(split.val, eval_transform(saved.image_size))
         n_workers = workers if workers is not None else default_workers(env.local_world_size)
@@ -185,7 +209,7 @@ def _evaluate_worker(
         if rt.is_main:
             from paratrain.report.evaluation import write_evaluation
 
-            out = write_evaluation(result, split, _eval_dir(state_path=saved_path))
+            out = write_evaluation(result, split, report_dir)
             report.update(
                 per_class=dict(zip(split.classes, result.per_class_accuracy(), strict=True)),
                 report_dir=str(out),

@@ -130,6 +130,35 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         "--warmup-epochs", type=_positive_int, default=S, help="linear warm-up epochs (default 0)"
     )
     opt.add_argument("--seed", type=int, default=S, help="seed of weights and sampling (default 0)")
+    recipe = p.add_argument_group("recipe")
+    recipe.add_argument(
+        "--opt",
+        choices=["sgd", "adamw"],
+        default=S,
+        help="optimizer (default sgd); adamw defaults to lr 0.001, weight decay 0.05",
+    )
+    recipe.add_argument(
+        "--label-smoothing", type=float, default=S, help="cross-entropy label smoothing (default 0)"
+    )
+    recipe.add_argument(
+        "--ema-decay",
+        type=float,
+        default=S,
+        help="keep an exponential moving average of the weights with this decay (e.g. 0.999); "
+        "it is evaluated every epoch and saved beside the raw weights",
+    )
+    recipe.add_argument(
+        "--mixup", type=float, default=S, help="MixUp Beta alpha, e.g. 0.2 (default 0: off)"
+    )
+    recipe.add_argument(
+        "--cutmix", type=float, default=S, help="CutMix Beta alpha, e.g. 1.0 (default 0: off)"
+    )
+    recipe.add_argument(
+        "--freeze-backbone",
+        action="store_true",
+        default=S,
+        help="train only the classifier head (fc / classifier / head); use with --weights",
+    )
     par = p.add_argument_group("parallelism")
     par.add_argument(
         "--nproc",
@@ -210,6 +239,12 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     out.add_argument(
         "--resume", default=S, help="checkpoint path, or 'auto' for the newest in the run directory"
     )
+    out.add_argument(
+        "--tensorboard",
+        action="store_true",
+        default=S,
+        help="also write TensorBoard scalars to <run>/tensorboard (needs the tensorboard package)",
+    )
     p.add_argument("--config", default=None, help="YAML file of config keys; flags given here win")
 
 
@@ -227,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--workers", type=_positive_int, default=None)
     ev.add_argument("--nproc", type=_positive_int, default=1)
     ev.add_argument("--json", action="store_true", help="print the result as JSON")
+    ev.add_argument("--ema", action="store_true", help="evaluate the EMA weights (--ema-decay)")
     pred = sub.add_parser("predict", help="class probabilities for images or folders of images")
     pred.add_argument("--checkpoint", required=True, help="a paratrain checkpoint (.pt)")
     pred.add_argument("inputs", nargs="+", help="image files and/or folders")
@@ -234,6 +270,19 @@ def build_parser() -> argparse.ArgumentParser:
     pred.add_argument("--batch-size", type=_positive_int, default=64)
     pred.add_argument("--csv", default=None, help="also write the predictions to this CSV file")
     pred.add_argument("--device", default="cpu")
+    pred.add_argument("--ema", action="store_true", help="use the EMA weights (--ema-decay)")
+    exp = sub.add_parser(
+        "export", help="write a checkpoint as a torch.export program or as safetensors"
+    )
+    exp.add_argument("--checkpoint", required=True, help="a paratrain checkpoint (.pt)")
+    exp.add_argument("--format", choices=["pt2", "safetensors"], default="pt2")
+    exp.add_argument(
+        "--out", default=None, help="output file (default <run>/export/model.<format>)"
+    )
+    exp.add_argument("--ema", action="store_true", help="export the EMA weights (--ema-decay)")
+    runs = sub.add_parser("runs", help="a table of the runs in a folder")
+    runs.add_argument("dir", nargs="?", default="runs", help="run folder (default runs)")
+    runs.add_argument("--json", action="store_true", help="print the rows as JSON")
     sub.add_parser("models", help="list the model names --model accepts")
     check = sub.add_parser(
         "check", help="self-test: backends, collectives, SyncBatchNorm, bandwidth"
@@ -309,6 +358,14 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
         return _eval(args, argv)
     if args.command == "predict":
         return _predict(args)
+    if args.command == "export":
+        from paratrain.engine.export import export
+
+        written = export(args.checkpoint, args.format, args.out, args.ema)
+        print(f"wrote {written['export']} (classes in {written['class_indices']})")
+        return 0
+    if args.command == "runs":
+        return _runs(args)
     if args.command == "check":
         from paratrain.api import check
 
@@ -339,7 +396,7 @@ def _eval(args: argparse.Namespace, argv: list[str]) -> int:
     from paratrain.api import evaluate_checkpoint
 
     result = evaluate_checkpoint(
-        args.checkpoint, args.data, args.batch_size, args.workers, args.nproc, argv
+        args.checkpoint, args.data, args.batch_size, args.workers, args.nproc, argv, args.ema
     )
     if result is None or os.environ.get("RANK", "0") != "0":
         return 0
@@ -363,9 +420,22 @@ def _eval(args: argparse.Namespace, argv: list[str]) -> int:
 def _predict(args: argparse.Namespace) -> int:
     from paratrain.engine.predict import predict, write_csv
 
-    rows = predict(args.checkpoint, args.inputs, args.top_k, args.batch_size, args.device)
+    rows = predict(args.checkpoint, args.inputs, args.top_k, args.batch_size, args.device, args.ema)
     for row in rows:
         print(f"{row['path']}: " + ", ".join(f"{name} {p:.3f}" for name, p in row["top"]))
     if args.csv:
         write_csv(rows, args.csv)
+    return 0
+
+
+def _runs(args: argparse.Namespace) -> int:
+    from paratrain.report.runs import collect, format_table
+
+    rows = collect(args.dir)
+    if args.json:
+        print(json.dumps(rows))
+    elif rows:
+        print(format_table(rows))
+    else:
+        print(f"no runs in {args.dir}")
     return 0

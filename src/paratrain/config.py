@@ -48,6 +48,12 @@ class TrainConfig:
     weight_decay: float = 0.005
     warmup_epochs: int = 0
     seed: int = 0
+    opt: str = "sgd"
+    label_smoothing: float = 0.0
+    ema_decay: float | None = None
+    mixup: float = 0.0
+    cutmix: float = 0.0
+    freeze_backbone: bool = False
     # parallelism
     nproc: int = 1
     sync_bn: bool = False
@@ -67,6 +73,7 @@ class TrainConfig:
     output_dir: str = "runs"
     name: str | None = None
     resume: str | None = None
+    tensorboard: bool = False
     # where --data is absent: the embedded digits set; filled in by resolve_defaults()
     cache_dir: str | None = None
 
@@ -106,6 +113,15 @@ class TrainConfig:
             raise UserError(f"--cache must be auto, on or off, got {self.cache!r}")
         if self.on_nonfinite not in ("abort", "skip"):
             raise UserError(f"--on-nonfinite must be 'abort' or 'skip', got {self.on_nonfinite!r}")
+        if self.opt not in ("sgd", "adamw"):
+            raise UserError(f"--opt must be 'sgd' or 'adamw', got {self.opt!r}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise UserError(f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
+        if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
+            raise UserError(f"--ema-decay must be between 0 and 1, got {self.ema_decay}")
+        for flag, alpha in (("--mixup", self.mixup), ("--cutmix", self.cutmix)):
+            if not (alpha >= 0.0 and math.isfinite(alpha)):
+                raise UserError(f"{flag} is a Beta(alpha, alpha) parameter >= 0, got {alpha}")
         if self.timeout <= 0:
             raise UserError(f"--timeout must be positive, got {self.timeout}")
         return self

@@ -6,6 +6,7 @@ import csv
 import json
 
 import pytest
+import torch
 
 from imagefolders import make_image_folder
 from paratrain import TrainConfig, train
@@ -100,3 +101,94 @@ def test_predict_takes_folders_and_rejects_missing_paths(trained_run, capsys):
     assert len(capsys.readouterr().out.splitlines()) == 15
     assert main(["predict", "--checkpoint", checkpoint, str(root / "nope.jpg")]) == 2
     assert "no such image or folder" in capsys.readouterr().err
+
+
+def test_export_pt2_round_trips(trained_run, tmp_path, capsys):
+    from paratrain.engine.export import load_program
+    from paratrain.engine.predict import load_for_inference
+
+    root, _, _ = trained_run
+    checkpoint = str(root / "runs/r/checkpoints/last.pt")
+    assert main(["export", "--checkpoint", checkpoint, "--format", "pt2"]) == 0
+    out = root / "runs/r/export/model.pt2"
+    assert str(out) in capsys.readouterr().out
+    program, meta = load_program(out)
+    model, _, classes = load_for_inference(checkpoint, torch.device("cpu"))
+    assert meta["classes"] == classes and meta["image_size"] == 16
+    for batch in (1, 3):  # the batch dimension stays dynamic
+        images = torch.randn(batch, 3, 16, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(program(images), model(images), rtol=1e-5, atol=1e-5)
+    index = json.loads((root / "runs/r/export/class_indices.json").read_text())
+    assert index == {"0": "class_0", "1": "class_1", "2": "class_2"}
+
+
+def test_export_safetensors_round_trips_and_trains_from(trained_run, tmp_path, capsys):
+    from safetensors import safe_open
+
+    from paratrain.engine.predict import load_for_inference
+    from paratrain.models.registry import create_model, load_weights, read_state_dict
+
+    root, _, _ = trained_run
+    checkpoint = str(root / "runs/r/checkpoints/last.pt")
+    out = tmp_path / "weights.safetensors"
+    assert (
+        main(["export", "--checkpoint", checkpoint, "--format", "safetensors", "--out", str(out)])
+        == 0
+    )
+    with safe_open(str(out), framework="pt") as handle:
+        assert json.loads(handle.metadata()["paratrain.classes"]) == [
+            "class_0",
+            "class_1",
+            "class_2",
+        ]
+    assert (tmp_path / "class_indices.json").is_file()
+    model, _, _ = load_for_inference(checkpoint, torch.device("cpu"))
+    again = create_model("resnet18", 3, 16)
+    report = load_weights(again, read_state_dict(out), strict=True)  # also what --weights reads
+    assert report.exact
+    images = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        assert torch.equal(again.eval()(images), model(images))
+
+
+def test_runs_table_lists_finished_and_unfinished_runs(trained_run, tmp_path, capsys):
+    import shutil
+
+    root, _, summary = trained_run
+    runs = tmp_path / "runs"
+    shutil.copytree(root / "runs/r", runs / "r", ignore=shutil.ignore_patterns("*.pt"))
+    (runs / "cut").mkdir()
+    shutil.copy(runs / "r/config.yaml", runs / "cut/config.yaml")
+    (runs / "cut/metrics.jsonl").write_text(
+        (runs / "r/metrics.jsonl").read_text().splitlines()[0] + "\n"
+    )
+    (runs / "not-a-run").mkdir()
+    assert main(["runs", str(runs)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == [
+        "run",
+        "model",
+        "data",
+        "world",
+        "best_top1",
+        "epochs",
+        "time",
+        "status",
+    ]
+    row = next(line for line in lines if line.startswith("r "))
+    assert row.split()[:6] == [
+        "r",
+        "resnet18",
+        "data",
+        "1",
+        f"{summary['best_val_top1']:.2%}",
+        "2/2",
+    ]
+    assert row.endswith("done")
+    assert any(line.startswith("cut ") and "stopped after epoch 1" in line for line in lines)
+    assert len(lines) == 3
+    assert main(["runs", str(runs), "--json"]) == 0
+    assert {r["run"] for r in json.loads(capsys.readouterr().out)} == {"r", "cut"}
+    assert main(["runs", str(tmp_path / "nowhere")]) == 2
+    assert "no such run folder" in capsys.readouterr().err

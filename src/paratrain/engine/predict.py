@@ -39,12 +39,21 @@ def collect_images(inputs: Sequence[str]) -> list[str]:
     return found
 
 
-def load_for_inference(checkpoint_path: str, device: torch.device):
+def weights_of(state: dict, checkpoint_path: str, ema: bool = False) -> dict:
+    """The raw weights of a checkpoint, or with ``ema`` its moving-average weights."""
+    if not ema:
+        return state["model"]
+    if not state.get("ema"):
+        raise UserError(f"--ema: {checkpoint_path} holds no EMA weights (train with --ema-decay)")
+    return state["ema"]["model"]
+
+
+def load_for_inference(checkpoint_path: str, device: torch.device, ema: bool = False):
     """The checkpoint's model (eval mode), its config and its class names."""
     state = checkpoint.load(checkpoint_path)
     config = TrainConfig.from_dict(state["config"], source=checkpoint_path)
     model = create_model(config.model, len(state["classes"]), config.image_size)
-    model.load_state_dict(state["model"])
+    model.load_state_dict(weights_of(state, checkpoint_path, ema))
     return model.to(device).eval(), config, state["classes"]
 
 
@@ -55,11 +64,12 @@ def predict(
     top_k: int = 5,
     batch_size: int = 64,
     device: str = "cpu",
+    ema: bool = False,
 ) -> list[dict]:
     """One row per image: its path and the top-k (class, probability) pairs."""
     if top_k < 1:
         raise UserError(f"--top-k must be at least 1, got {top_k}")
-    model, config, classes = load_for_inference(checkpoint_path, torch.device(device))
+    model, config, classes = load_for_inference(checkpoint_path, torch.device(device), ema)
     transform = eval_transform(config.image_size)
     paths = collect_images(inputs)
     k = min(top_k, len(classes))

@@ -36,14 +36,23 @@ from paratrain.dist.runtime import Runtime, seed_everything, threads_per_process
 from paratrain.engine import checkpoint, faults
 from paratrain.engine.evaluate import evaluate, logits_of
 from paratrain.engine.preempt import Preempted, PreemptionGuard, requeue
+from paratrain.engine.recipe import EMA, build_criterion, build_mixer, build_optimizer
 from paratrain.engine.schedule import build_scheduler, effective_lr, lr_factor
 from paratrain.engine.state import gathered_rng_states, restore_rng
 from paratrain.errors import UserError
-from paratrain.models.registry import create_model, load_weights, read_state_dict
-from paratrain.parallel import ModelParts, parallelize
+from paratrain.models.registry import (
+    create_model,
+    freeze_backbone,
+    load_weights,
+    read_state_dict,
+)
+from paratrain.parallel import parallelize
 from paratrain.report.log import get_logger
 from paratrain.report.metrics import MetricsWriter, format_epoch
 from paratrain.report.plots import plot_curves
+from paratrain.report.tensorboard import Board
+
+__all__ = ["build_model", "build_optimizer", "fit"]
 
 
 class NonFiniteLoss(UserError):
@@ -113,21 +122,32 @@ def build_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
     if cfg.weights:
         report = load_weights(model, read_state_dict(cfg.weights), cfg.weights_strict, cfg.weights)
         get_logger().info(report.summary(cfg.weights))
+    if cfg.freeze_backbone:
+        head, trained, total = freeze_backbone(model, cfg.model)
+        get_logger().info(
+            f"--freeze-backbone: training only `{head}`, {trained:,} of {total:,} parameters"
+            + ("" if cfg.weights else " (no --weights: the frozen backbone stays random)")
+        )
     return model
 
 
-def build_optimizer(parts: ModelParts, cfg: TrainConfig, world_size: int) -> torch.optim.SGD:
-    lr = effective_lr(cfg.lr, world_size, cfg.lr_scaling)
-    return torch.optim.SGD(
-        parts.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
-    )
+@dataclass
+class Recipe:
+    """What the loop applies around each step; built once from the config."""
+
+    criterion: nn.Module
+    mixer: object | None = None  # (images, labels) -> (mixed images, soft targets)
+    ema: EMA | None = None
+    board: Board | None = None
 
 
 class Checkpointer:
     """Whole-state checkpoints: last.pt (every save), best.pt, the newest --keep epochs."""
 
-    def __init__(self, cfg, run_dir: Path, rt: Runtime, parts, optimizer, scheduler, classes):
-        self.cfg, self.dir, self.rt = cfg, run_dir / "checkpoints", rt
+    def __init__(
+        self, cfg, run_dir: Path, rt: Runtime, parts, optimizer, scheduler, classes, ema=None
+    ):
+        self.cfg, self.dir, self.rt, self.ema = cfg, run_dir / "checkpoints", rt, ema
         self.parts, self.optimizer, self.scheduler, self.classes = (
             parts,
             optimizer,
@@ -141,6 +161,7 @@ class Checkpointer:
             return
         state = {
             "model": self.parts.state_dict(),
+            "ema": self.ema.state_dict() if self.ema is not None else None,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": None,
@@ -204,24 +225,40 @@ class StepControl:
 
 
 def train_one_epoch(
-    parts, loader, optimizer, rt: Runtime, control: StepControl, progress: Progress, bar
+    parts,
+    loader,
+    optimizer,
+    rt: Runtime,
+    control: StepControl,
+    progress: Progress,
+    bar,
+    recipe: Recipe,
 ) -> float:
     parts.train()
     start = time.perf_counter()
     for images, labels in loader:
         images = images.to(rt.device, non_blocking=True)
         labels = labels.to(rt.device, non_blocking=True)
+        targets = labels
+        if recipe.mixer is not None:  # train accuracy is then against the unmixed labels
+            images, targets = recipe.mixer(images, labels)
         logits = logits_of(parts(images))
-        loss = nn.functional.cross_entropy(logits, labels)
+        loss = recipe.criterion(logits, targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if control.loss_is_bad(loss, progress):
             progress.skipped_steps += 1
         else:
             optimizer.step()
+            if recipe.ema is not None:
+                recipe.ema.update()
             n = labels.numel()
             correct = (logits.argmax(1) == labels).sum().item()
             progress.totals += torch.tensor([loss.item() * n, correct, n], dtype=torch.float64)
+            if recipe.board is not None:
+                recipe.board.step(
+                    progress.global_step + 1, loss.item(), optimizer.param_groups[0]["lr"], n
+                )
         progress.step_in_epoch += 1
         progress.global_step += 1
         if bar is not None:
@@ -243,19 +280,25 @@ def fit(cfg: TrainConfig, rt: Runtime) -> dict:
 
     parts = parallelize(build_model(cfg, len(split.classes)), cfg, rt)
     optimizer = build_optimizer(parts, cfg, rt.world_size)
+    recipe = Recipe(
+        criterion=build_criterion(cfg),
+        mixer=build_mixer(cfg, len(split.classes)),
+        ema=EMA(parts, cfg.ema_decay) if cfg.ema_decay else None,
+    )
     scheduler = build_scheduler(optimizer, cfg.epochs, cfg.lrf, cfg.warmup_epochs)
     seed_everything(cfg.seed + 1000 * rt.rank)  # model randomness (dropout) differs per rank
     progress = Progress()
     if resume_from is not None:
-        progress = _resume(resume_from, cfg, rt, parts, optimizer, scheduler)
+        progress = _resume(resume_from, cfg, rt, parts, optimizer, scheduler, recipe.ema)
     train_loader, val_loader, workers, cached = make_loaders(cfg, split, rt)
-    saver = Checkpointer(cfg, run_dir, rt, parts, optimizer, scheduler, split.classes)
+    saver = Checkpointer(cfg, run_dir, rt, parts, optimizer, scheduler, split.classes, recipe.ema)
     guard = PreemptionGuard(cfg.preempt_grace).install()
     control = StepControl(cfg, rt, saver, guard)
     if rt.is_main:
         _write_run_files(cfg, split, run_dir)
         metrics.drop_after(progress.epoch)
         _announce(cfg, split, run_dir, rt, workers, optimizer.param_groups[0]["lr"], cached)
+    recipe.board = Board(run_dir, cfg.tensorboard and rt.is_main, rt.world_size)
     started = time.perf_counter()
     try:
         for epoch in range(progress.epoch, cfg.epochs):
@@ -264,10 +307,13 @@ def fit(cfg: TrainConfig, rt: Runtime) -> dict:
             train_loader.sampler.set_epoch(epoch, consumed)  # a new order every epoch
             epoch_lr = optimizer.param_groups[0]["lr"]
             bar = _progress_bar(rt, len(train_loader.sampler) * rt.world_size, epoch, cfg.epochs)
+            recipe.board.start_epoch()
             train_seconds = train_one_epoch(
-                parts, train_loader, optimizer, rt, control, progress, bar
+                parts, train_loader, optimizer, rt, control, progress, bar, recipe
             )
             result = evaluate(parts, val_loader, rt.device, len(split.classes))
+            if recipe.ema is not None:
+                averaged = evaluate(recipe.ema.module, val_loader, rt.device, len(split.classes))
             if bar is not None:
                 bar.close()
             scheduler.step()
@@ -284,7 +330,10 @@ def fit(cfg: TrainConfig, rt: Runtime) -> dict:
                 "skipped_steps": progress.skipped_steps,
                 "epoch_seconds": time.perf_counter() - epoch_start,
                 "train_images_per_s": float(totals[2]) / max(train_seconds, 1e-9),
+                "world_size": rt.world_size,
             }
+            if recipe.ema is not None:
+                row.update(val_loss_ema=averaged.loss, val_top1_ema=averaged.top1)
             progress.best_top1 = max(progress.best_top1, result.top1)
             progress.epoch, progress.step_in_epoch, progress.totals = (
                 epoch + 1,
@@ -295,17 +344,26 @@ def fit(cfg: TrainConfig, rt: Runtime) -> dict:
             if rt.is_main:
                 metrics.write(row)
                 plot_curves(metrics.read(), run_dir / "curves.png")
+                recipe.board.epoch(row)
                 log.info(format_epoch(row, cfg.epochs))
     finally:
         guard.uninstall()
+        recipe.board.close()
     comm.barrier()
     return _summarise(cfg, run_dir, metrics, rt, time.perf_counter() - started, progress)
 
 
-def _resume(path: Path, cfg: TrainConfig, rt: Runtime, parts, optimizer, scheduler) -> Progress:
+def _resume(
+    path: Path, cfg: TrainConfig, rt: Runtime, parts, optimizer, scheduler, ema: EMA | None
+) -> Progress:
     log = get_logger()
     state = checkpoint.load(path)
     parts.load_state_dict(state["model"])
+    if ema is not None:
+        if state.get("ema"):
+            ema.load_state_dict(state["ema"])
+        else:
+            log.warning(f"{path} holds no EMA weights: the average starts from the resumed ones")
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     restore_rng(state.get("rng"), rt.rank)
@@ -394,8 +452,20 @@ def _announce(
     )
     log.info(
         f"global batch {cfg.batch_size * rt.world_size} ({cfg.batch_size} x {rt.world_size}), "
-        f"lr {lr:g} (base {cfg.lr:g}, scaling {cfg.lr_scaling}), {cfg.epochs} epochs"
+        f"{cfg.opt} lr {lr:g} (base {cfg.lr:g}, scaling {cfg.lr_scaling}), {cfg.epochs} epochs"
+        + _recipe_words(cfg)
     )
+
+
+def _recipe_words(cfg: TrainConfig) -> str:
+    words = [
+        f"label smoothing {cfg.label_smoothing:g}" if cfg.label_smoothing else "",
+        f"mixup {cfg.mixup:g}" if cfg.mixup else "",
+        f"cutmix {cfg.cutmix:g}" if cfg.cutmix else "",
+        f"EMA decay {cfg.ema_decay:g}" if cfg.ema_decay else "",
+    ]
+    words = [w for w in words if w]
+    return ", " + ", ".join(words) if words else ""
 
 
 def _progress_bar(rt: Runtime, total: int, epoch: int, epochs: int):

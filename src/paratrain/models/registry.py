@@ -77,7 +77,12 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise UserError(f"weights file not found: {path}")
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        if path.suffix == ".safetensors":  # e.g. from `paratrain export --format safetensors`
+            from safetensors.torch import load_file
+
+            obj = load_file(str(path))
+        else:
+            obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many types for a file that is not a pickle
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(
@@ -121,3 +126,30 @@ def load_weights(
         )
     model.load_state_dict(usable, strict=False)
     return report
+
+
+# Where torchvision classifiers keep their last layer(s): ResNet/RegNet/Inception `fc`,
+# VGG/AlexNet/MobileNet/EfficientNet/ConvNeXt/DenseNet `classifier`, ViT `heads`, Swin `head`.
+HEAD_NAMES = ("fc", "classifier", "heads", "head")
+
+
+def classifier_head(model: nn.Module, name: str = "") -> str:
+    """The attribute name of the model's classifier head."""
+    for attr in HEAD_NAMES:
+        if isinstance(getattr(model, attr, None), nn.Module):
+            return attr
+    raise UserError(
+        f"--freeze-backbone: model {name or type(model).__name__} has none of the head "
+        f"attributes {', '.join(HEAD_NAMES)}"
+    )
+
+
+def freeze_backbone(model: nn.Module, name: str = "") -> tuple[str, int, int]:
+    """Only the head trains: returns (head attribute, trained parameters, all parameters)."""
+    head = classifier_head(model, name)
+    for param in model.parameters():
+        param.requires_grad_(False)
+    for param in getattr(model, head).parameters():
+        param.requires_grad_(True)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return head, trained, sum(p.numel() for p in model.parameters())

@@ -17,6 +17,9 @@ COLUMNS = [
     "val_top5",
     "epoch_seconds",
     "train_images_per_s",
+    "world_size",
+    "val_loss_ema",
+    "val_top1_ema",
 ]
 
 
@@ -54,6 +57,8 @@ class MetricsWriter:
 
 def format_epoch(row: dict[str, Any], epochs: int) -> str:
     top5 = f" top5 {row['val_top5']:.1%}" if row.get("val_top5") is not None else ""
+    if row.get("val_top1_ema") is not None:
+        top5 += f" (EMA top1 {row['val_top1_ema']:.1%})"
     return (
         f"epoch {row['epoch']}/{epochs}  lr {row['lr']:.4g}  "
         f"train loss {row['train_loss']:.4f} acc {row['train_acc']:.1%}  "

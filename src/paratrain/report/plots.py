@@ -22,6 +22,9 @@ def plot_curves(rows: Sequence[dict[str, Any]], path: Path) -> None:
     axes[0].set_title("loss")
     axes[0].legend()
     axes[1].plot(epochs, [100 * r["val_top1"] for r in rows], "o-", color="tab:green")
+    if any(r.get("val_top1_ema") is not None for r in rows):
+        axes[1].plot(epochs, [100 * (r.get("val_top1_ema") or 0) for r in rows], "s--", label="EMA")
+        axes[1].legend()
     axes[1].set_title("validation top-1 (%)")
     axes[2].plot(epochs, [r["lr"] for r in rows], "o-", color="tab:purple")
     axes[2].set_title("learning rate")

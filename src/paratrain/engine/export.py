@@ -1,0 +1,83 @@
+"""`paratrain export`: a checkpoint as a torch.export program (.pt2) or as safetensors.
+
+Both carry what a user of the model needs besides the weights: the class names in index
+order (inside the file, and as class_indices.json beside it), the model name and the
+input size the eval transform produces.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from paratrain.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_resize
+from paratrain.errors import UserError
+
+FORMATS = ("pt2", "safetensors")
+
+
+def default_output(checkpoint_path: str, fmt: str, ema: bool) -> Path:
+    """<run>/export/model[-ema].<fmt> for a checkpoint of a run, else beside the file."""
+    path = Path(checkpoint_path)
+    stem = "model" + ("-ema" if ema else "")
+    if path.parent.name == "checkpoints":
+        return path.parent.parent / "export" / f"{stem}.{fmt}"
+    return path.with_name(f"{path.stem}{'-ema' if ema else ''}.{fmt}")
+
+
+def export(
+    checkpoint_path: str, fmt: str, out: str | None = None, ema: bool = False
+) -> dict[str, str]:
+    """Write the export and class_indices.json; return their paths."""
+    from paratrain.engine.predict import load_for_inference
+
+    if fmt not in FORMATS:
+        raise UserError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    model, config, classes = load_for_inference(checkpoint_path, torch.device("cpu"), ema)
+    target = Path(out) if out else default_output(checkpoint_path, fmt, ema)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "model": config.model,
+        "classes": classes,
+        # the eval transform: RGB, resize the short side, center crop, then normalise
+        "resize": eval_resize(config.image_size),
+        "image_size": config.image_size,
+        "mean": list(IMAGENET_MEAN),
+        "std": list(IMAGENET_STD),
+    }
+    if fmt == "pt2":
+        _save_program(model, config.image_size, meta, target)
+    else:
+        _save_safetensors(model, meta, target)
+    index = target.parent / "class_indices.json"
+    index.write_text(json.dumps({str(i): c for i, c in enumerate(classes)}, indent=2) + "\n")
+    return {"export": str(target), "class_indices": str(index)}
+
+
+def _save_program(model, image_size: int, meta: dict, target: Path) -> None:
+    """torch.export with a dynamic batch dimension: any batch size runs the program."""
+    example = (torch.randn(2, 3, image_size, image_size),)
+    batch = torch.export.Dim.AUTO
+    with torch.no_grad():
+        program = torch.export.export(model, example, dynamic_shapes=({0: batch},))
+    torch.export.save(program, target, extra_files={"paratrain.json": json.dumps(meta)})
+
+
+def _save_safetensors(model, meta: dict, target: Path) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_file(
+        tensors,
+        str(target),
+        metadata={"format": "pt", **{f"paratrain.{k}": json.dumps(v) for k, v in meta.items()}},
+    )
+
+
+def load_program(path: str | Path):
+    """The exported program's callable module and its paratrain metadata."""
+    extra = {"paratrain.json": ""}
+    program = torch.export.load(str(path), extra_files=extra)
+    return program.module(), json.loads(extra["paratrain.json"])

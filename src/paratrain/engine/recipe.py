@@ -1,0 +1,80 @@
+"""Recipe options around the loop: optimizer, loss, MixUp/CutMix, EMA weights.
+
+Each is built once from the config and handed to the loop, which stays the same whether
+an option is on or off.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+from paratrain.config import TrainConfig
+from paratrain.engine.schedule import effective_lr
+from paratrain.parallel import ModelParts
+
+
+def build_optimizer(parts: ModelParts, cfg: TrainConfig, world_size: int) -> torch.optim.Optimizer:
+    """SGD or AdamW over the parameters that train (a frozen backbone's do not)."""
+    lr = effective_lr(cfg.lr, world_size, cfg.lr_scaling)
+    params = [p for p in parts.parameters() if p.requires_grad]
+    if cfg.opt == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+def build_criterion(cfg: TrainConfig) -> nn.Module:
+    """Cross-entropy; it takes class indices, or class probabilities after MixUp/CutMix."""
+    return nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+
+
+def build_mixer(cfg: TrainConfig, num_classes: int):
+    """torchvision's batch MixUp / CutMix (one of the two per batch when both are on).
+
+    Returns None when both are off. The mixer takes (images, labels) and returns the mixed
+    images with soft targets; its randomness comes from each rank's own generator.
+    """
+    from torchvision.transforms import v2
+
+    mixers = []
+    if cfg.mixup > 0:
+        mixers.append(v2.MixUp(alpha=cfg.mixup, num_classes=num_classes))
+    if cfg.cutmix > 0:
+        mixers.append(v2.CutMix(alpha=cfg.cutmix, num_classes=num_classes))
+    if not mixers:
+        return None
+    return mixers[0] if len(mixers) == 1 else v2.RandomChoice(mixers)
+
+
+class EMA:
+    """An exponential moving average of the weights (and BatchNorm buffers).
+
+    Every rank keeps its own copy; after DDP's averaged step the weights are identical on
+    every rank, so the copies are too, and the EMA model can be evaluated sharded.
+    """
+
+    def __init__(self, parts: ModelParts, decay: float):
+        (module,) = parts.unwrapped()
+        self.source = module
+        self.averaged = AveragedModel(
+            module, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True
+        )
+
+    @property
+    def module(self) -> nn.Module:
+        return self.averaged.module
+
+    @torch.no_grad()
+    def update(self) -> None:
+        self.averaged.update_parameters(self.source)
+
+    def state_dict(self) -> dict:
+        return {
+            "model": {k: v.detach().cpu() for k, v in self.module.state_dict().items()},
+            "n_averaged": int(self.averaged.n_averaged),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.module.load_state_dict(state["model"])
+        self.averaged.n_averaged.fill_(state["n_averaged"])

@@ -1,0 +1,50 @@
+"""TensorBoard scalars (``--tensorboard``), written by rank 0 into <run>/tensorboard.
+
+Per step: train/loss, train/lr, train/images_per_s. Per epoch: every number of the
+metrics row under epoch/ (losses, accuracies, lr, images/s, EMA results when on).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+
+class Board:
+    """A SummaryWriter on rank 0 when enabled; every method is a no-op otherwise."""
+
+    def __init__(self, run_dir: Path, enabled: bool, world_size: int):
+        self.writer = None
+        self.world_size = world_size
+        self.last = time.perf_counter()
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def start_epoch(self) -> None:
+        self.last = time.perf_counter()
+
+    def step(self, global_step: int, loss: float, lr: float, batch: int) -> None:
+        now = time.perf_counter()
+        seconds, self.last = now - self.last, now
+        if self.writer is None:
+            return
+        self.writer.add_scalar("train/loss", loss, global_step)
+        self.writer.add_scalar("train/lr", lr, global_step)
+        self.writer.add_scalar(
+            "train/images_per_s", batch * self.world_size / max(seconds, 1e-9), global_step
+        )
+
+    def epoch(self, row: dict[str, Any]) -> None:
+        if self.writer is None:
+            return
+        for key, value in row.items():
+            if key != "epoch" and isinstance(value, int | float) and value is not None:
+                self.writer.add_scalar(f"epoch/{key}", value, row["epoch"])
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

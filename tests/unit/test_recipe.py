@@ -1,0 +1,158 @@
+"""Recipe options: each trains to a finite loss and does what it says."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+import torch
+
+from imagefolders import make_image_folder
+from paratrain import TrainConfig, train
+from paratrain.api import resolve
+from paratrain.cli import main
+from paratrain.engine import checkpoint
+from paratrain.engine.recipe import build_mixer
+from paratrain.engine.trainer import build_model
+from paratrain.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory):
+    return make_image_folder(tmp_path_factory.mktemp("recipe") / "data", classes=3, per_class=8)
+
+
+def run(data, out, name, **options):
+    defaults = dict(image_size=16, epochs=1, batch_size=8, workers=0)
+    cfg = TrainConfig(data=str(data), output_dir=str(out), name=name, **{**defaults, **options})
+    summary = train(cfg)
+    state = checkpoint.load(out / name / "checkpoints" / "last.pt")
+    return cfg, summary, state
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"opt": "adamw", "lr": 0.001},
+        {"label_smoothing": 0.1},
+        {"mixup": 0.2},
+        {"cutmix": 1.0},
+        {"mixup": 0.2, "cutmix": 1.0, "label_smoothing": 0.1},
+        {"seed": 7},
+    ],
+    ids=lambda o: ",".join(o),
+)
+def test_option_trains_to_finite_loss(small_data, tmp_path, options):
+    cfg, summary, state = run(small_data, tmp_path, "r", **options)
+    assert math.isfinite(summary["final"]["train_loss"])
+    assert summary["final"]["val_count"] == 6
+    assert state["config"] == cfg.to_dict()
+    if cfg.opt == "adamw":
+        assert "exp_avg" in next(iter(state["optimizer"]["state"].values()))
+
+
+def test_adamw_gets_its_own_defaults_unless_given(small_data):
+    cfg, _ = resolve({"data": str(small_data), "opt": "adamw"})
+    assert (cfg.lr, cfg.weight_decay) == (0.001, 0.05)
+    cfg, _ = resolve({"data": str(small_data), "opt": "adamw", "lr": 0.003})
+    assert (cfg.lr, cfg.weight_decay) == (0.003, 0.05)
+    cfg, _ = resolve({"data": str(small_data)})
+    assert (cfg.opt, cfg.lr) == ("sgd", 0.01)
+
+
+def test_mixer_mixes_images_and_targets_alike():
+    torch.manual_seed(0)
+    images = torch.rand(6, 3, 8, 8)
+    labels = torch.tensor([0, 1, 2, 0, 1, 2])  # each image's neighbour has another class
+    other = images.roll(1, 0)
+    mixed, targets = build_mixer(TrainConfig(mixup=0.4), num_classes=3)(images, labels)
+    lam = float(targets[0, labels[0]])
+    assert targets.shape == (6, 3) and 0 < lam < 1
+    torch.testing.assert_close(mixed, lam * images + (1 - lam) * other)
+    mixed, targets = build_mixer(TrainConfig(cutmix=1.0), num_classes=3)(images, labels)
+    lam = float(targets[0, labels[0]])
+    pasted = (mixed != images).any(dim=1)  # pixels that came from the neighbour
+    assert torch.equal(mixed[:, :, pasted[0]], other[:, :, pasted[0]])
+    assert pasted.float().mean(dim=(1, 2)).tolist() == pytest.approx([1 - lam] * 6)
+    for alphas in ({"mixup": 0.4}, {"cutmix": 1.0}, {"mixup": 0.4, "cutmix": 1.0}):
+        _, targets = build_mixer(TrainConfig(**alphas), num_classes=3)(images, labels)
+        torch.testing.assert_close(targets.sum(1), torch.ones(6))
+    assert build_mixer(TrainConfig(), num_classes=3) is None
+
+
+def test_freeze_backbone_trains_only_the_head(small_data, tmp_path):
+    cfg, _, state = run(small_data, tmp_path, "f", freeze_backbone=True, lr=0.1)
+    initial = build_model(TrainConfig(**{**cfg.to_dict(), "freeze_backbone": False}), 3)
+    before = initial.state_dict()
+    names = [name for name, _ in initial.named_parameters()]
+    moved = {n for n in names if not torch.equal(state["model"][n], before[n])}
+    assert moved == {"fc.weight", "fc.bias"}
+    assert state["optimizer"]["param_groups"][0]["params"] == [0, 1]
+
+
+def test_ema_is_evaluated_and_saved_beside_the_raw_weights(small_data, tmp_path, capsys):
+    _, summary, state = run(small_data, tmp_path, "e", ema_decay=0.5)
+    final = summary["final"]
+    assert {"val_top1_ema", "val_loss_ema"} <= set(final)
+    assert state["ema"]["n_averaged"] == 3  # 18 images, batch 8: three steps
+    raw, averaged = state["model"], state["ema"]["model"]
+    assert raw.keys() == averaged.keys()
+    assert not torch.equal(raw["fc.weight"], averaged["fc.weight"])
+    last = str(tmp_path / "e/checkpoints/last.pt")
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", last, "--ema", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["top1"] == pytest.approx(final["val_top1_ema"])
+    assert result["report_dir"].endswith("eval-ema")
+    assert main(["eval", "--checkpoint", last, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["top1"] == pytest.approx(final["val_top1"])
+
+
+def test_ema_flag_without_ema_weights_is_one_clear_error(small_data, tmp_path, capsys):
+    run(small_data, tmp_path, "n")
+    last = str(tmp_path / "n/checkpoints/last.pt")
+    assert main(["export", "--checkpoint", last, "--ema"]) == 2
+    assert "holds no EMA weights" in capsys.readouterr().err
+
+
+def test_tensorboard_scalars_per_step_and_per_epoch(small_data, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run(small_data, tmp_path, "t", tensorboard=True, epochs=2)
+    events = EventAccumulator(str(tmp_path / "t/tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/images_per_s"} <= tags
+    assert {"epoch/val_top1", "epoch/train_loss", "epoch/lr", "epoch/train_images_per_s"} <= tags
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
+    assert [e.step for e in events.Scalars("epoch/val_top1")] == [1, 2]
+    metrics = [json.loads(x) for x in (tmp_path / "t/metrics.jsonl").read_text().splitlines()]
+    logged = [e.value for e in events.Scalars("epoch/val_top1")]
+    assert logged == pytest.approx([r["val_top1"] for r in metrics])
+
+
+def test_tensorboard_missing_is_a_clear_error(small_data, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    with pytest.raises(UserError, match="needs the tensorboard package"):
+        resolve({"data": str(small_data), "tensorboard": True})
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--opt", "lamb", "invalid choice"),
+        ("--label-smoothing", "1.5", "--label-smoothing must be in [0, 1)"),
+        ("--ema-decay", "1.0", "--ema-decay must be between 0 and 1"),
+        ("--mixup", "-1", "--mixup is a Beta(alpha, alpha) parameter"),
+    ],
+)
+def test_bad_recipe_values_are_one_line_errors(small_data, capsys, flag, value, message):
+    try:
+        code = main(["train", "--data", str(small_data), flag, value])
+    except SystemExit as exc:  # argparse's own checks exit from inside parse_args
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
