@@ -192,3 +192,12 @@ def test_runs_table_lists_finished_and_unfinished_runs(trained_run, tmp_path, ca
     assert {r["run"] for r in json.loads(capsys.readouterr().out)} == {"r", "cut"}
     assert main(["runs", str(tmp_path / "nowhere")]) == 2
     assert "no such run folder" in capsys.readouterr().err
+
+
+def test_ema_flag_without_ema_weights_is_one_clear_error(trained_run, capsys):
+    root, _, _ = trained_run
+    checkpoint = str(root / "runs/r/checkpoints/last.pt")
+    for command in ("export", "eval", "predict"):
+        extra = [str(root / "data")] if command == "predict" else []
+        assert main([command, "--checkpoint", checkpoint, "--ema", *extra]) == 2
+        assert "holds no EMA weights (train with --ema-decay)" in capsys.readouterr().err

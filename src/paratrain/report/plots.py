@@ -6,15 +6,23 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+
+def _pyplot():
+    """matplotlib on the file-only backend, imported when a picture is drawn: a second
+    of start-up that only the process writing pictures pays."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def plot_curves(rows: Sequence[dict[str, Any]], path: Path) -> None:
     """curves.png: train and validation loss, validation top-1, learning rate per epoch."""
+    plt = _pyplot()
     epochs = [r["epoch"] for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     axes[0].plot(epochs, [r["train_loss"] for r in rows], "o-", label="train")
@@ -38,6 +46,7 @@ def plot_curves(rows: Sequence[dict[str, Any]], path: Path) -> None:
 
 def plot_confusion(matrix: np.ndarray, classes: Sequence[str], path: Path) -> None:
     """confusion_matrix.png: rows are true classes, columns predictions, shares per row."""
+    plt = _pyplot()
     shares = matrix / np.maximum(matrix.sum(axis=1, keepdims=True), 1)
     size = max(4.0, 0.45 * len(classes) + 2)
     fig, ax = plt.subplots(figsize=(size, size))
