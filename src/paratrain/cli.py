@@ -284,6 +284,15 @@ def build_parser() -> argparse.ArgumentParser:
     runs.add_argument("dir", nargs="?", default="runs", help="run folder (default runs)")
     runs.add_argument("--json", action="store_true", help="print the rows as JSON")
     sub.add_parser("models", help="list the model names --model accepts")
+    _add_slurm_flags(
+        sub.add_parser(
+            "slurm",
+            help="print an sbatch script that runs `paratrain train` on SLURM nodes",
+            description="Print an sbatch script: srun starts one torchrun agent per node, "
+            "c10d rendezvous on the first node, USR1 before the time limit saves and requeues. "
+            "Every flag not listed here is passed to `paratrain train`.",
+        )
+    )
     check = sub.add_parser(
         "check", help="self-test: backends, collectives, SyncBatchNorm, bandwidth"
     )
@@ -294,8 +303,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_slurm_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nodes", type=_positive_int, default=1, help="nodes (default 1)")
+    p.add_argument("--gpus-per-node", type=_positive_int, default=0, help="(default 0: CPU)")
+    p.add_argument(
+        "--procs-per-node",
+        type=_positive_int,
+        default=None,
+        help="workers per node (default: one per GPU, 1 without GPUs)",
+    )
+    p.add_argument("--cpus-per-task", type=_positive_int, default=None)
+    p.add_argument("--time", default=None, help="time limit, e.g. 24:00:00")
+    p.add_argument("--partition", default=None)
+    p.add_argument("--account", default=None)
+    p.add_argument("--job-name", default="paratrain")
+    p.add_argument(
+        "--port", type=_positive_int, default=29500, help="rendezvous port on the first node"
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=_positive_int,
+        default=3,
+        help="torchrun restarts after a failure; workers resume from the last checkpoint",
+    )
+    p.add_argument("--python", default="python", help="the interpreter on the nodes")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["slurm"]:
+        return _slurm(argv[1:])
     args = build_parser().parse_args(argv)
     from paratrain.engine.preempt import Preempted
 
@@ -441,4 +478,23 @@ def _runs(args: argparse.Namespace) -> int:
         print(format_table(rows))
     else:
         print(f"no runs in {args.dir}")
+    return 0
+
+
+def _slurm(argv: list[str]) -> int:
+    """Flags of the script are ours; every other one goes to `paratrain train`, which
+    checks them here already, so a typo fails now and not after hours in the queue."""
+    from paratrain.dist.slurm import SlurmJob, sbatch_script
+
+    parser = _Parser(prog="paratrain slurm")
+    _add_slurm_flags(parser)
+    known, train_args = parser.parse_known_args(argv)
+    train_parser = _Parser(prog="paratrain slurm")
+    _add_train_flags(train_parser)
+    train_parser.parse_args(train_args)
+    try:
+        print(sbatch_script(SlurmJob(**vars(known)), train_args), end="")
+    except UserError as exc:
+        _report(str(exc))
+        return exc.exit_code
     return 0

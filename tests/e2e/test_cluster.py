@@ -1,0 +1,123 @@
+"""Several hosts on one machine: the sbatch script of `paratrain slurm` run through stub
+SLURM commands (two torchrun agents, c10d on loopback), against a 4-process run."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from imagefolders import make_image_folder
+from paratrain.cli import main
+
+pytestmark = pytest.mark.slow
+
+TRAIN = ["--image-size", "16", "--batch-size", "4", "--workers", "0", "--epochs", "1"]
+TRAIN += ["--deterministic", "--cache", "off"]
+
+# Stand-ins for the SLURM commands the script calls: sbatch runs the script at once with
+# the job's variables set; srun starts one task per node, here all on this machine.
+STUBS = {
+    "sbatch": """#!/bin/bash
+nodes=$(sed -n 's/^#SBATCH --nodes=\\([0-9]*\\).*/\\1/p' "$1")
+echo "Submitted batch job 4242"
+SLURM_JOB_ID=4242 SLURM_JOB_NAME=stub SLURM_NNODES=$nodes SLURM_JOB_NUM_NODES=$nodes \\
+SLURM_JOB_NODELIST="node[1-$nodes]" exec bash "$1"
+""",
+    "srun": """#!/bin/bash
+while [[ "$1" == -* ]]; do shift; done
+pids=()
+for ((i = 0; i < SLURM_NNODES; i++)); do
+  SLURM_PROCID=$i SLURM_NODEID=$i SLURM_LOCALID=0 SLURM_NTASKS=$SLURM_NNODES \\
+  SLURMD_NODENAME=node$((i + 1)) "$@" > "$STUB_LOGS/task$i.log" 2>&1 &
+  pids+=($!)
+done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+exit $status
+""",
+    "scontrol": """#!/bin/bash
+case "$1 $2" in
+  "show hostnames") echo 127.0.0.1 ;;
+  requeue*) echo "$@" >> "$STUB_LOGS/requeue" ;;
+esac
+""",
+}
+
+
+def _stub_bin(root: Path) -> Path:
+    bin_dir = root / "bin"
+    bin_dir.mkdir()
+    for name, text in STUBS.items():
+        path = bin_dir / name
+        path.write_text(text)
+        path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return bin_dir
+
+
+def _env(root: Path, **extra: str) -> dict[str, str]:
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("SLURM_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def test_slurm_script_runs_two_agents_that_equal_a_four_process_run(tmp_path, capsys):
+    data = make_image_folder(tmp_path / "data", classes=3, per_class=20)
+    port = 29000 + os.getpid() % 1000
+    args = ["slurm", "--nodes", "2", "--procs-per-node", "2", "--port", str(port)]
+    args += ["--python", sys.executable]
+    assert main([*args, "--data", str(data), *TRAIN]) == 0
+    script = tmp_path / "job.sh"
+    script.write_text(capsys.readouterr().out)
+    text = script.read_text()
+    assert "#SBATCH --signal=B:USR1@120" in text and "--rdzv-backend=c10d" in text
+    assert "--nnodes=2 --nproc-per-node=2" in text
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    env = _env(tmp_path, STUB_LOGS=str(logs), PATH=f"{_stub_bin(tmp_path)}:{os.environ['PATH']}")
+    job = subprocess.run(
+        ["sbatch", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    task_logs = "\n".join(p.read_text() for p in sorted(logs.glob("task*.log")))
+    assert job.returncode == 0, job.stderr + task_logs
+    run_dir = tmp_path / "runs/stub-4242"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 4
+
+    single = subprocess.run(
+        [sys.executable, "-m", "paratrain", "train", "--data", str(data), *TRAIN]
+        + ["--nproc", "4", "--name", "single"],
+        cwd=tmp_path,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert single.returncode == 0, single.stderr
+    two_nodes = torch.load(run_dir / "checkpoints/last.pt", weights_only=False)
+    one_node = torch.load(tmp_path / "runs/single/checkpoints/last.pt", weights_only=False)
+    for key, value in one_node["model"].items():
+        torch.testing.assert_close(two_nodes["model"][key], value, rtol=0, atol=1e-6, msg=key)
+    metrics = [
+        json.loads((d / "metrics.jsonl").read_text()) for d in (run_dir, tmp_path / "runs/single")
+    ]
+    assert metrics[0]["val_count"] == metrics[1]["val_count"] == 12
+    assert metrics[0]["val_top1"] == metrics[1]["val_top1"]
+    assert metrics[0]["val_loss"] == pytest.approx(metrics[1]["val_loss"], abs=1e-6)
+
+
+def test_slurm_refuses_nproc_and_bad_train_flags(capsys):
+    assert main(["slurm", "--nodes", "2", "--nproc", "4"]) == 2
+    assert "leave out --nproc" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["slurm", "--nodes", "2", "--epochz", "3"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --epochz 3" in capsys.readouterr().err
