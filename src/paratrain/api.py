@@ -83,6 +83,10 @@ def train(config: TrainConfig, argv: Sequence[str] | None = None) -> dict | None
     if config.tensorboard:
         require_tensorboard()
     env = detect(os.environ)
+    if config.strategy == "dp":
+        from paratrain.parallel.dp import check_available
+
+        check_available(env.world_size)
     if config.nproc > 1 and env.source == "single":
         from paratrain.dist.launch import launch
 

@@ -167,6 +167,13 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         help="processes to start on this machine (default 1)",
     )
     par.add_argument(
+        "--strategy",
+        choices=["ddp", "dp"],
+        default=S,
+        help="ddp: DistributedDataParallel, one process per device (default); dp: legacy "
+        "DataParallel, one process over every visible GPU",
+    )
+    par.add_argument(
         "--sync-bn",
         action="store_true",
         default=S,

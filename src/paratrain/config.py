@@ -56,6 +56,7 @@ class TrainConfig:
     freeze_backbone: bool = False
     # parallelism
     nproc: int = 1
+    strategy: str = "ddp"
     sync_bn: bool = False
     backend: str | None = None
     device: str | None = None
@@ -113,6 +114,13 @@ class TrainConfig:
             raise UserError(f"--cache must be auto, on or off, got {self.cache!r}")
         if self.on_nonfinite not in ("abort", "skip"):
             raise UserError(f"--on-nonfinite must be 'abort' or 'skip', got {self.on_nonfinite!r}")
+        if self.strategy not in ("ddp", "dp"):
+            raise UserError(f"--strategy must be 'ddp' or 'dp', got {self.strategy!r}")
+        if self.strategy == "dp" and self.nproc > 1:
+            raise UserError(
+                "--strategy dp drives every GPU from one process; leave out --nproc "
+                "(or use --strategy ddp, one process per GPU)"
+            )
         if self.opt not in ("sgd", "adamw"):
             raise UserError(f"--opt must be 'sgd' or 'adamw', got {self.opt!r}")
         if not 0.0 <= self.label_smoothing < 1.0:

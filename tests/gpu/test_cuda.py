@@ -32,3 +32,18 @@ def test_sync_bn_on_cuda_is_torchs_own():
     runtime = Runtime(env=env, device=torch.device("cuda", 0), backend="nccl")
     model = sync_batchnorm.apply(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), runtime)
     assert isinstance(model[1], nn.SyncBatchNorm)
+
+
+def test_strategy_dp_trains_over_the_visible_gpus(tmp_path):
+    from imagefolders import make_image_folder
+    from paratrain import TrainConfig, train
+    from paratrain.engine import checkpoint
+
+    data = make_image_folder(tmp_path / "data", classes=3, per_class=12)
+    summary = train(
+        TrainConfig(data=str(data), strategy="dp", image_size=32, epochs=1, batch_size=8,
+                    workers=0, output_dir=str(tmp_path / "runs"), name="dp")
+    )  # fmt: skip
+    assert summary["world_size"] == 1 and summary["final"]["val_count"] == 9
+    state = checkpoint.load(tmp_path / "runs/dp/checkpoints/last.pt")
+    assert not any(k.startswith("module.") for k in state["model"])  # saved unwrapped

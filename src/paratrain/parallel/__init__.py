@@ -79,6 +79,10 @@ def unwrap(module: nn.Module) -> nn.Module:
 def parallelize(model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> ModelParts:
     from paratrain.parallel import ddp
 
+    if cfg.strategy == "dp":
+        from paratrain.parallel import dp
+
+        return dp.apply(model, runtime)
     model = model.to(runtime.device)
     if cfg.sync_bn and runtime.world_size > 1:
         from paratrain.parallel import sync_batchnorm

@@ -1,0 +1,46 @@
+"""--strategy dp: torch.nn.DataParallel, one process over every visible GPU (legacy).
+
+Each step DataParallel copies the model from the first GPU to the others, splits the batch,
+runs the replicas in threads of this one process and gathers the outputs and gradients
+on the first GPU. DistributedDataParallel (one process per GPU) avoids all three costs:
+no replication per step, no GIL shared by the devices, and gradient all-reduce that
+overlaps the backward pass. DataParallel is here for comparison and for code that needs
+one process.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from paratrain.dist.runtime import Runtime
+from paratrain.errors import UserError
+from paratrain.report.log import get_logger
+
+
+def check_available(world_size: int) -> int:
+    """The number of GPUs DataParallel would use, or a UserError saying why it cannot."""
+    if world_size > 1:
+        raise UserError(
+            "--strategy dp runs in a single process; it cannot be started by torchrun, "
+            "srun or --nproc (use --strategy ddp there)"
+        )
+    if not torch.cuda.is_available():
+        raise UserError(
+            "--strategy dp needs CUDA devices (DataParallel splits each batch over GPUs); "
+            "on CPU use --nproc N, which runs DistributedDataParallel over N processes"
+        )
+    return torch.cuda.device_count()
+
+
+def apply(model: nn.Module, runtime: Runtime):
+    from paratrain.parallel import ModelParts
+
+    devices = check_available(runtime.world_size)
+    get_logger().info(
+        f"DataParallel over {devices} GPU(s) in one process; --batch-size is split across "
+        "them. DistributedDataParallel (--nproc N) is preferred: no model copy per step, no "
+        "shared GIL, gradient communication overlapped with the backward pass"
+    )
+    model = model.to(torch.device("cuda", 0))
+    return ModelParts([nn.DataParallel(model, device_ids=list(range(devices)))])
