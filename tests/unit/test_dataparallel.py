@@ -10,8 +10,9 @@ from paratrain.cli import main
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only message")
 def test_dp_on_cpu_is_one_clear_error(image_folder, tmp_path, capsys):
+    runs = tmp_path / "runs"
     code = main(
-        ["train", "--data", str(image_folder), "--strategy", "dp", "--output-dir", str(tmp_path)]
+        ["train", "--data", str(image_folder), "--strategy", "dp", "--output-dir", str(runs)]
     )
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
