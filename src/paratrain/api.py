@@ -62,11 +62,14 @@ def resolve(values: dict) -> tuple[TrainConfig, bool]:
 
 
 def preflight(cfg: TrainConfig) -> None:
-    """Check, in one process, what every rank would otherwise find wrong at once."""
-    from paratrain.models.registry import create_model, read_state_dict
+    """Check, in one process, what every rank would otherwise find wrong at once.
 
-    split = build_split(cfg.data, cfg.val_fraction, cfg.split_seed)
-    create_model(cfg.model, len(split.classes), cfg.image_size)
+    The model name is not checked here: that needs torchvision, seconds of start-up
+    before any worker starts. Every rank builds the same model, so a bad name fails on
+    every rank alike, and rank 0 alone reports it."""
+    from paratrain.models.registry import read_state_dict
+
+    build_split(cfg.data, cfg.val_fraction, cfg.split_seed)
     if cfg.weights:
         read_state_dict(cfg.weights)
     if cfg.resume and cfg.resume != "auto" and not Path(cfg.resume).is_file():

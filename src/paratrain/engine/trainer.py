@@ -29,7 +29,7 @@ from paratrain.data.cache import (
 )
 from paratrain.data.folder import DataSplit, ImageSamples, build_split
 from paratrain.data.samplers import ShardedEvalSampler, train_sampler
-from paratrain.data.scan import screen
+from paratrain.data.scan import AgreedUserError, screen
 from paratrain.data.transforms import eval_transform, train_transform
 from paratrain.dist import comm
 from paratrain.dist.runtime import Runtime, seed_everything, threads_per_process
@@ -278,7 +278,11 @@ def fit(cfg: TrainConfig, rt: Runtime) -> dict:
     split = screen(split, cfg.bad_images, rt.rank, rt.world_size, loader_workers(cfg, rt), run_dir)
     metrics = MetricsWriter(run_dir)
 
-    parts = parallelize(build_model(cfg, len(split.classes)), cfg, rt)
+    try:
+        model = build_model(cfg, len(split.classes))
+    except UserError as exc:  # same config on every rank: the same error on every rank
+        raise AgreedUserError(str(exc)) from None
+    parts = parallelize(model, cfg, rt)
     optimizer = build_optimizer(parts, cfg, rt.world_size)
     recipe = Recipe(
         criterion=build_criterion(cfg),
