@@ -114,7 +114,7 @@ def test_tensorboard_scalars_per_step_and_per_epoch(small_data, tmp_path):
     events = EventAccumulator(str(tmp_path / "t/tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"train/loss", "train/lr", "train/images_per_s"} <= tags
+    assert {"train/loss", "train/acc", "train/lr", "train/images_per_s"} <= tags
     assert {"epoch/val_top1", "epoch/train_loss", "epoch/lr", "epoch/train_images_per_s"} <= tags
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
     assert [e.step for e in events.Scalars("epoch/val_top1")] == [1, 2]

@@ -257,7 +257,11 @@ def train_one_epoch(
             progress.totals += torch.tensor([loss.item() * n, correct, n], dtype=torch.float64)
             if recipe.board is not None:
                 recipe.board.step(
-                    progress.global_step + 1, loss.item(), optimizer.param_groups[0]["lr"], n
+                    progress.global_step + 1,
+                    loss.item(),
+                    correct / n,
+                    optimizer.param_groups[0]["lr"],
+                    n,
                 )
         progress.step_in_epoch += 1
         progress.global_step += 1

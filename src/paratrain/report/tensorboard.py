@@ -1,6 +1,6 @@
 """TensorBoard scalars (``--tensorboard``), written by rank 0 into <run>/tensorboard.
 
-Per step: train/loss, train/lr, train/images_per_s. Per epoch: every number of the
+Per step (rank 0's batch): train/loss, train/acc, train/lr, train/images_per_s. Per epoch: every number of the
 metrics row under epoch/ (losses, accuracies, lr, images/s, EMA results when on).
 """
 
@@ -26,12 +26,13 @@ class Board:
     def start_epoch(self) -> None:
         self.last = time.perf_counter()
 
-    def step(self, global_step: int, loss: float, lr: float, batch: int) -> None:
+    def step(self, global_step: int, loss: float, acc: float, lr: float, batch: int) -> None:
         now = time.perf_counter()
         seconds, self.last = now - self.last, now
         if self.writer is None:
             return
         self.writer.add_scalar("train/loss", loss, global_step)
+        self.writer.add_scalar("train/acc", acc, global_step)  # this rank's batch
         self.writer.add_scalar("train/lr", lr, global_step)
         self.writer.add_scalar(
             "train/images_per_s", batch * self.world_size / max(seconds, 1e-9), global_step
