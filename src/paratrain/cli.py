@@ -336,6 +336,29 @@ def _add_slurm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--python", default="python", help="the interpreter on the nodes")
 
 
+def run() -> None:
+    """The `paratrain` command and `python -m paratrain`: main(), then a prompt exit.
+
+    By then every file is written and closed, so the process ends without Python's
+    teardown, which takes 1.7 s once torch and torchvision are loaded (paid by every
+    worker and by the launcher). A failed launched worker must end this way in any case:
+    it leaves its process group open on purpose (its peers must not report a lost
+    connection before it reports the cause), and tearing that down during shutdown can
+    abort with "terminate called without an active exception"."""
+    import logging
+
+    try:
+        code = main()
+    except SystemExit as exc:  # argparse, or a launcher passing on its workers' code
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["slurm"]:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -92,16 +94,12 @@ def test_slurm_script_runs_two_agents_that_equal_a_four_process_run(tmp_path, ca
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 4
 
-    single = subprocess.run(
-        [sys.executable, "-m", "paratrain", "train", "--data", str(data), *TRAIN]
-        + ["--nproc", "4", "--name", "single"],
-        cwd=tmp_path,
-        env=_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert single.returncode == 0, single.stderr
+    # the reference: the same job on 4 ranks of one machine (forked here: no start-up)
+    from spawn import run_distributed
+
+    config = {"data": str(data), "output_dir": str(tmp_path / "runs"), "name": "single"}
+    config.update(image_size=16, batch_size=4, workers=0, epochs=1, deterministic=True)
+    run_distributed(_fit_rank, 4, {**config, "cache": "off"})
     two_nodes = torch.load(run_dir / "checkpoints/last.pt", weights_only=False)
     one_node = torch.load(tmp_path / "runs/single/checkpoints/last.pt", weights_only=False)
     for key, value in one_node["model"].items():
@@ -112,6 +110,16 @@ def test_slurm_script_runs_two_agents_that_equal_a_four_process_run(tmp_path, ca
     assert metrics[0]["val_count"] == metrics[1]["val_count"] == 12
     assert metrics[0]["val_top1"] == metrics[1]["val_top1"]
     assert metrics[0]["val_loss"] == pytest.approx(metrics[1]["val_loss"], abs=1e-6)
+
+
+def _fit_rank(rank, world_size, values):
+    from paratrain.config import TrainConfig
+    from paratrain.dist.env import detect
+    from paratrain.dist.runtime import Runtime
+    from paratrain.engine.trainer import fit
+
+    runtime = Runtime(env=detect(os.environ), device=torch.device("cpu"), backend="gloo")
+    return fit(TrainConfig(**values), runtime)["world_size"]
 
 
 def test_slurm_refuses_nproc_and_bad_train_flags(capsys):
@@ -185,3 +193,70 @@ def test_one_epoch_across_two_network_namespaces(tmp_path, two_hosts):
     stats = _ip("-n", two_hosts[1][0], "-s", "-j", "link", "show", two_hosts[1][1])
     received = json.loads(stats.stdout)[0]["stats64"]["rx"]["bytes"]
     assert received > 45e6, received
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _wait_for(condition, procs, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        dead = [p.args[-1] for p in procs if p.poll() is not None]
+        assert not dead and time.monotonic() < deadline, f"waiting for {what}"
+        time.sleep(0.2)
+
+
+def _kill_node(agent: subprocess.Popen) -> None:
+    """SIGKILL a torchrun agent and its workers (torchrun puts them in sessions of their own)."""
+    children = subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True)
+    for pid in [agent.pid, *map(int, children.stdout.split())]:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    agent.wait()
+
+
+def test_elastic_a_node_leaves_and_the_rest_go_on(tmp_path):
+    """--nnodes 1:2: a node dies; the other restarts its worker at the new world size and
+    resumes from the last checkpoint. One worker per node."""
+    data = make_image_folder(tmp_path / "data", classes=3, per_class=20)
+    port = 29600 + os.getpid() % 300
+    run_dir = tmp_path / "runs/elastic"
+    train = ["--data", str(data), "--name", "elastic", "--image-size", "16", "--batch-size", "4"]
+    train += ["--workers", "0", "--epochs", "3", "--cache", "off"]
+
+    def node(is_host: int, label: str) -> subprocess.Popen:
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2",
+            "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=elastic", f"--rdzv-conf=is_host={is_host},last_call_timeout=3",
+            "--max-restarts=3", "--monitor-interval=0.5", "-m", "paratrain", "train", *train,
+        ]  # fmt: skip
+        log = open(tmp_path / f"{label}.log", "w")  # noqa: SIM115 - closed with the process
+        return subprocess.Popen(
+            command, cwd=tmp_path, env=_env(tmp_path), stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+
+    staying = node(1, "staying")  # hosts the rendezvous store
+    leaving = node(0, "leaving")
+    try:
+        _wait_for(lambda: len(_rows(run_dir)) >= 1, [staying, leaving], "epoch 1 on two nodes")
+        _kill_node(leaving)  # the node is gone, agent and worker
+        assert staying.wait(timeout=180) == 0, (tmp_path / "staying.log").read_text()[-3000:]
+    finally:
+        for proc in (staying, leaving):
+            if proc.poll() is None:
+                _kill_node(proc)
+    rows = _rows(run_dir)
+    assert [r["epoch"] for r in rows] == [1, 2, 3]  # every epoch once
+    assert [r["world_size"] for r in rows] == [2, 1, 1]
+    log = (tmp_path / "staying.log").read_text()
+    assert "world size 2 -> 1: global batch 8 -> 4, lr 0.02 -> 0.01" in log
+    assert "resumed from runs/elastic/checkpoints/last.pt at epoch 2" in log
+    assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 1
