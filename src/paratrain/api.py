@@ -86,6 +86,7 @@ def train(config: TrainConfig, argv: Sequence[str] | None = None) -> dict | None
     if config.tensorboard:
         require_tensorboard()
     env = detect(os.environ)
+    _check_device_options(config)
     if config.strategy == "dp":
         from paratrain.parallel.dp import check_available
 
@@ -113,6 +114,23 @@ def train(config: TrainConfig, argv: Sequence[str] | None = None) -> dict | None
             raise SystemExit(code)
         return None
     return _train_worker(config, env)
+
+
+def _check_device_options(config: TrainConfig) -> None:
+    """Options that need CUDA, refused once here rather than by every rank."""
+    import torch
+
+    on_cpu = config.device == "cpu" or not torch.cuda.is_available()
+    if not on_cpu:
+        return
+    if config.precision == "16-mixed":
+        from paratrain.engine.precision import resolve
+
+        resolve(config.precision, torch.device("cpu"))  # raises the one-line error
+    if config.grad_compression == "powersgd":
+        from paratrain.parallel.ddp import POWERSGD_NEEDS_NCCL
+
+        raise UserError(POWERSGD_NEEDS_NCCL)
 
 
 def _train_worker(config: TrainConfig, env) -> dict:

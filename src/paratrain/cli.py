@@ -159,6 +159,33 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         default=S,
         help="train only the classifier head (fc / classifier / head); use with --weights",
     )
+    speed = p.add_argument_group("speed")
+    speed.add_argument(
+        "--precision",
+        choices=["auto", "32", "bf16-mixed", "16-mixed"],
+        default=S,
+        help="auto (default): bf16 autocast where the device computes bf16 natively (CUDA "
+        "with bf16, CPUs with AVX512-BF16/AMX), else fp32; 16-mixed: fp16 with a GradScaler, "
+        "CUDA only",
+    )
+    speed.add_argument(
+        "--grad-accum",
+        type=_positive_int,
+        default=S,
+        help="micro-batches per optimizer step (default 1); global batch and lr scaling count them",
+    )
+    speed.add_argument(
+        "--clip-grad", type=float, default=S, help="clip the gradient norm to this value"
+    )
+    speed.add_argument(
+        "--grad-compression",
+        choices=["none", "fp16", "bf16", "powersgd"],
+        default=S,
+        help="compress gradients for communication with a DDP hook (default none)",
+    )
+    speed.add_argument(
+        "--bucket-cap-mb", type=float, default=S, help="DDP gradient bucket size (default 25)"
+    )
     par = p.add_argument_group("parallelism")
     par.add_argument(
         "--nproc",

@@ -54,6 +54,12 @@ class TrainConfig:
     mixup: float = 0.0
     cutmix: float = 0.0
     freeze_backbone: bool = False
+    # speed
+    precision: str = "auto"
+    grad_accum: int = 1
+    clip_grad: float | None = None
+    grad_compression: str = "none"
+    bucket_cap_mb: float = 25.0
     # parallelism
     nproc: int = 1
     strategy: str = "ddp"
@@ -121,6 +127,22 @@ class TrainConfig:
                 "--strategy dp drives every GPU from one process; leave out --nproc "
                 "(or use --strategy ddp, one process per GPU)"
             )
+        if self.precision not in ("auto", "32", "bf16-mixed", "16-mixed"):
+            raise UserError(
+                f"--precision must be auto, 32, bf16-mixed or 16-mixed, got {self.precision!r}"
+            )
+        _at_least("--grad-accum", self.grad_accum, 1)
+        if self.clip_grad is not None and not (
+            self.clip_grad > 0 and math.isfinite(self.clip_grad)
+        ):
+            raise UserError(f"--clip-grad must be a positive norm, got {self.clip_grad}")
+        if self.grad_compression not in ("none", "fp16", "bf16", "powersgd"):
+            raise UserError(
+                "--grad-compression must be none, fp16, bf16 or powersgd, "
+                f"got {self.grad_compression!r}"
+            )
+        if not self.bucket_cap_mb > 0:
+            raise UserError(f"--bucket-cap-mb must be positive, got {self.bucket_cap_mb}")
         if self.opt not in ("sgd", "adamw"):
             raise UserError(f"--opt must be 'sgd' or 'adamw', got {self.opt!r}")
         if not 0.0 <= self.label_smoothing < 1.0:

@@ -17,7 +17,7 @@ from paratrain.parallel import ModelParts
 
 def build_optimizer(parts: ModelParts, cfg: TrainConfig, world_size: int) -> torch.optim.Optimizer:
     """SGD or AdamW over the parameters that train (a frozen backbone's do not)."""
-    lr = effective_lr(cfg.lr, world_size, cfg.lr_scaling)
+    lr = effective_lr(cfg.lr, world_size * cfg.grad_accum, cfg.lr_scaling)
     params = [p for p in parts.parameters() if p.requires_grad]
     if cfg.opt == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)

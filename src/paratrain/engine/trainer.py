@@ -6,6 +6,7 @@ calls (StepControl, Checkpointer), not in the loop itself.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -35,6 +36,8 @@ from paratrain.dist import comm
 from paratrain.dist.runtime import Runtime, seed_everything, threads_per_process
 from paratrain.engine import checkpoint, faults
 from paratrain.engine.evaluate import evaluate, logits_of
+from paratrain.engine.precision import Precision
+from paratrain.engine.precision import resolve as resolve_precision
 from paratrain.engine.preempt import Preempted, PreemptionGuard, requeue
 from paratrain.engine.recipe import EMA, build_criterion, build_mixer, build_optimizer
 from paratrain.engine.schedule import build_scheduler, effective_lr, lr_factor
@@ -69,6 +72,11 @@ class Progress:
     skipped_steps: int = 0
     best_top1: float = -1.0
     totals: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))
+
+
+def samples_per_step(cfg: TrainConfig, world_size: int) -> int:
+    """The global batch: per-process batch x processes x accumulated micro-batches."""
+    return cfg.batch_size * world_size * cfg.grad_accum
 
 
 def default_workers(local_world_size: int) -> int:
@@ -139,15 +147,19 @@ class Recipe:
     mixer: object | None = None  # (images, labels) -> (mixed images, soft targets)
     ema: EMA | None = None
     board: Board | None = None
+    precision: Precision | None = None
+    grad_accum: int = 1
+    clip_grad: float | None = None
 
 
 class Checkpointer:
     """Whole-state checkpoints: last.pt (every save), best.pt, the newest --keep epochs."""
 
     def __init__(
-        self, cfg, run_dir: Path, rt: Runtime, parts, optimizer, scheduler, classes, ema=None
+        self, cfg, run_dir: Path, rt: Runtime, parts, optimizer, scheduler, classes, recipe
     ):
-        self.cfg, self.dir, self.rt, self.ema = cfg, run_dir / "checkpoints", rt, ema
+        self.cfg, self.dir, self.rt = cfg, run_dir / "checkpoints", rt
+        self.ema, self.scaler = recipe.ema, recipe.precision.scaler
         self.parts, self.optimizer, self.scheduler, self.classes = (
             parts,
             optimizer,
@@ -164,10 +176,10 @@ class Checkpointer:
             "ema": self.ema.state_dict() if self.ema is not None else None,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "scaler": None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "epoch": progress.epoch,
             "step_in_epoch": progress.step_in_epoch,
-            "consumed": progress.step_in_epoch * self.cfg.batch_size * self.rt.world_size,
+            "consumed": progress.step_in_epoch * samples_per_step(self.cfg, self.rt.world_size),
             "global_step": progress.global_step,
             "skipped_steps": progress.skipped_steps,
             "partial_totals": progress.totals.clone(),
@@ -234,40 +246,59 @@ def train_one_epoch(
     bar,
     recipe: Recipe,
 ) -> float:
+    """One epoch; an optimizer step every ``accum`` micro-batches (and after the last)."""
     parts.train()
     start = time.perf_counter()
-    for images, labels in loader:
+    accum, last = recipe.grad_accum, len(loader) - 1
+    optimizer.zero_grad(set_to_none=True)
+    micro, step_loss, step_correct, step_n = 0, 0.0, 0, 0
+    for index, (images, labels) in enumerate(loader):
         images = images.to(rt.device, non_blocking=True)
         labels = labels.to(rt.device, non_blocking=True)
         targets = labels
         if recipe.mixer is not None:  # train accuracy is then against the unmixed labels
             images, targets = recipe.mixer(images, labels)
-        logits = logits_of(parts(images))
-        loss = recipe.criterion(logits, targets)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if control.loss_is_bad(loss, progress):
+        micro += 1
+        stepping = micro == accum or index == last
+        # the first accum-1 micro-batches keep their gradients local (DDP's no_sync)
+        with contextlib.nullcontext() if stepping else parts.no_sync():
+            with recipe.precision.autocast():
+                logits = logits_of(parts(images))
+                loss = recipe.criterion(logits, targets)
+            recipe.precision.backward(loss / accum)
+        n = labels.numel()
+        step_loss += loss.item() * n
+        step_correct += (logits.argmax(1) == labels).sum().item()
+        step_n += n
+        if not stepping:
+            continue
+        if control.loss_is_bad(torch.tensor(step_loss), progress):
             progress.skipped_steps += 1
         else:
-            optimizer.step()
+            if recipe.clip_grad is not None:
+                recipe.precision.unscale(optimizer)
+                torch.nn.utils.clip_grad_norm_(
+                    [p for p in parts.parameters() if p.grad is not None], recipe.clip_grad
+                )
+            recipe.precision.step(optimizer)
             if recipe.ema is not None:
                 recipe.ema.update()
-            n = labels.numel()
-            correct = (logits.argmax(1) == labels).sum().item()
-            progress.totals += torch.tensor([loss.item() * n, correct, n], dtype=torch.float64)
+            progress.totals += torch.tensor([step_loss, step_correct, step_n], dtype=torch.float64)
             if recipe.board is not None:
                 recipe.board.step(
                     progress.global_step + 1,
-                    loss.item(),
-                    correct / n,
+                    step_loss / step_n,
+                    step_correct / step_n,
                     optimizer.param_groups[0]["lr"],
-                    n,
+                    step_n,
                 )
+        optimizer.zero_grad(set_to_none=True)
         progress.step_in_epoch += 1
         progress.global_step += 1
         if bar is not None:
-            bar.update(labels.numel() * rt.world_size)
+            bar.update(step_n * rt.world_size)
             bar.set_postfix(loss=f"{progress.totals[0] / max(progress.totals[2], 1):.4f}")
+        micro, step_loss, step_correct, step_n = 0, 0.0, 0, 0
         control.after_step(progress)
     return time.perf_counter() - start
 
@@ -292,26 +323,32 @@ def fit(cfg: TrainConfig, rt: Runtime) -> dict:
         criterion=build_criterion(cfg),
         mixer=build_mixer(cfg, len(split.classes)),
         ema=EMA(parts, cfg.ema_decay) if cfg.ema_decay else None,
+        precision=_precision(cfg, rt),
+        grad_accum=cfg.grad_accum,
+        clip_grad=cfg.clip_grad,
     )
     scheduler = build_scheduler(optimizer, cfg.epochs, cfg.lrf, cfg.warmup_epochs)
     seed_everything(cfg.seed + 1000 * rt.rank)  # model randomness (dropout) differs per rank
     progress = Progress()
     if resume_from is not None:
-        progress = _resume(resume_from, cfg, rt, parts, optimizer, scheduler, recipe.ema)
+        progress = _resume(resume_from, cfg, rt, parts, optimizer, scheduler, recipe)
     train_loader, val_loader, workers, cached = make_loaders(cfg, split, rt)
-    saver = Checkpointer(cfg, run_dir, rt, parts, optimizer, scheduler, split.classes, recipe.ema)
+    saver = Checkpointer(cfg, run_dir, rt, parts, optimizer, scheduler, split.classes, recipe)
     guard = PreemptionGuard(cfg.preempt_grace).install()
     control = StepControl(cfg, rt, saver, guard)
     if rt.is_main:
         _write_run_files(cfg, split, run_dir)
         metrics.drop_after(progress.epoch)
         _announce(cfg, split, run_dir, rt, workers, optimizer.param_groups[0]["lr"], cached)
+        log.info(
+            f"precision {recipe.precision.mode}" + (" (auto)" if cfg.precision == "auto" else "")
+        )
     recipe.board = Board(run_dir, cfg.tensorboard and rt.is_main, rt.world_size)
     started = time.perf_counter()
     try:
         for epoch in range(progress.epoch, cfg.epochs):
             epoch_start = time.perf_counter()
-            consumed = progress.step_in_epoch * cfg.batch_size * rt.world_size
+            consumed = progress.step_in_epoch * samples_per_step(cfg, rt.world_size)
             train_loader.sampler.set_epoch(epoch, consumed)  # a new order every epoch
             epoch_lr = optimizer.param_groups[0]["lr"]
             bar = _progress_bar(rt, len(train_loader.sampler) * rt.world_size, epoch, cfg.epochs)
@@ -319,9 +356,12 @@ def fit(cfg: TrainConfig, rt: Runtime) -> dict:
             train_seconds = train_one_epoch(
                 parts, train_loader, optimizer, rt, control, progress, bar, recipe
             )
-            result = evaluate(parts, val_loader, rt.device, len(split.classes))
-            if recipe.ema is not None:
-                averaged = evaluate(recipe.ema.module, val_loader, rt.device, len(split.classes))
+            with recipe.precision.autocast():
+                result = evaluate(parts, val_loader, rt.device, len(split.classes))
+                if recipe.ema is not None:
+                    averaged = evaluate(
+                        recipe.ema.module, val_loader, rt.device, len(split.classes)
+                    )
             if bar is not None:
                 bar.close()
             scheduler.step()
@@ -361,12 +401,22 @@ def fit(cfg: TrainConfig, rt: Runtime) -> dict:
     return _summarise(cfg, run_dir, metrics, rt, time.perf_counter() - started, progress)
 
 
+def _precision(cfg: TrainConfig, rt: Runtime) -> Precision:
+    try:
+        return Precision(resolve_precision(cfg.precision, rt.device), rt.device)
+    except UserError as exc:  # the same device type on every rank: the same answer
+        raise AgreedUserError(str(exc)) from None
+
+
 def _resume(
-    path: Path, cfg: TrainConfig, rt: Runtime, parts, optimizer, scheduler, ema: EMA | None
+    path: Path, cfg: TrainConfig, rt: Runtime, parts, optimizer, scheduler, recipe: Recipe
 ) -> Progress:
     log = get_logger()
     state = checkpoint.load(path)
     parts.load_state_dict(state["model"])
+    ema, scaler = recipe.ema, recipe.precision.scaler
+    if scaler is not None and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
     if ema is not None:
         if state.get("ema"):
             ema.load_state_dict(state["ema"])
@@ -399,22 +449,26 @@ def _rescale(
 ) -> None:
     """Another world size: the global batch changes, and with it the scaled lr."""
     old_world, old_batch = state["world_size"], state["config"]["batch_size"]
-    new_lr = effective_lr(cfg.lr, rt.world_size, cfg.lr_scaling)
-    old_lr = effective_lr(state["config"]["lr"], old_world, state["config"]["lr_scaling"])
+    old_accum = state["config"].get("grad_accum", 1)
+    new_lr = effective_lr(cfg.lr, rt.world_size * cfg.grad_accum, cfg.lr_scaling)
+    old_lr = effective_lr(
+        state["config"]["lr"], old_world * old_accum, state["config"]["lr_scaling"]
+    )
     scheduler.base_lrs = [new_lr for _ in scheduler.base_lrs]
     factor = lr_factor(scheduler.last_epoch, cfg.epochs, cfg.lrf, cfg.warmup_epochs)
     for group in optimizer.param_groups:
         group["lr"] = new_lr * factor
         group["initial_lr"] = new_lr
-    if progress.step_in_epoch and (state.get("consumed", 0) % (cfg.batch_size * rt.world_size)):
+    per_step = samples_per_step(cfg, rt.world_size)
+    if progress.step_in_epoch and (state.get("consumed", 0) % per_step):
         get_logger().warning(
             "the interrupted epoch resumes at a sample offset that does not "
             "divide by the new global batch; the step count is rounded down"
         )
-    progress.step_in_epoch = state.get("consumed", 0) // (cfg.batch_size * rt.world_size)
+    progress.step_in_epoch = state.get("consumed", 0) // per_step
     get_logger().info(
-        f"world size {old_world} -> {rt.world_size}: global batch {old_batch * old_world} -> "
-        f"{cfg.batch_size * rt.world_size}, lr {old_lr:g} -> {new_lr:g}"
+        f"world size {old_world} -> {rt.world_size}: global batch "
+        f"{old_batch * old_world * old_accum} -> {per_step}, lr {old_lr:g} -> {new_lr:g}"
     )
 
 
@@ -459,7 +513,8 @@ def _announce(
         f"{'decoded-image cache' if cached else 'decoding every epoch'}"
     )
     log.info(
-        f"global batch {cfg.batch_size * rt.world_size} ({cfg.batch_size} x {rt.world_size}), "
+        f"global batch {samples_per_step(cfg, rt.world_size)} ({cfg.batch_size} x "
+        f"{rt.world_size}{f' x {cfg.grad_accum} micro-batches' if cfg.grad_accum > 1 else ''}), "
         f"{cfg.opt} lr {lr:g} (base {cfg.lr:g}, scaling {cfg.lr_scaling}), {cfg.epochs} epochs"
         + _recipe_words(cfg)
     )

@@ -11,6 +11,7 @@ The order is fixed, and each step depends on the one before:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import torch
@@ -44,6 +45,14 @@ class ModelParts(list):
 
     def eval(self) -> ModelParts:
         return self.train(False)
+
+    def no_sync(self) -> contextlib.ExitStack:
+        """Gradients stay local (DDP's no_sync) until the step that leaves this context."""
+        stack = contextlib.ExitStack()
+        for part in self:
+            if isinstance(part, nn.parallel.DistributedDataParallel):
+                stack.enter_context(part.no_sync())
+        return stack
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for part in self:

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from paratrain.config import TrainConfig
+from paratrain.data.scan import AgreedUserError
 from paratrain.dist.runtime import Runtime
+
+# PowerSGD's hook starts collectives from future callbacks; gloo cannot keep those in
+# the same order on every rank (measured: a size mismatch and SIGABRT at the first
+# compressed step), NCCL's streams can.
+POWERSGD_NEEDS_NCCL = (
+    "--grad-compression powersgd needs the nccl backend (CUDA); with gloo use fp16 or bf16"
+)
 
 
 def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime):
@@ -18,5 +27,25 @@ def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime):
         device_ids=device_ids,
         # DDP's buckets become the .grad tensors: one copy of the gradients, not two.
         gradient_as_bucket_view=True,
+        bucket_cap_mb=cfg.bucket_cap_mb,
     )
+    register_compression(wrapped, cfg.grad_compression)
     return ModelParts([wrapped])
+
+
+def register_compression(wrapped: DistributedDataParallel, kind: str) -> None:
+    """--grad-compression: a DDP communication hook; the average stays an average."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if kind == "fp16":
+        wrapped.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif kind == "bf16":
+        wrapped.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif kind == "powersgd":
+        if wrapped.process_group is not None and dist.get_backend() != "nccl":
+            raise AgreedUserError(POWERSGD_NEEDS_NCCL)
+        # rank-1 approximation with error feedback; the first steps are plain all-reduce
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2
+        )
+        wrapped.register_comm_hook(state, powerSGD_hook.powerSGD_hook)

@@ -1,0 +1,59 @@
+"""Gradient compression hooks on 2 gloo ranks: they train to a finite loss, and the
+compressed average stays close to the exact one."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from imagefolders import make_image_folder
+from spawn import run_distributed
+
+
+def _fit(rank, world_size, values):
+    from paratrain.config import TrainConfig
+    from paratrain.dist.env import detect
+    from paratrain.dist.runtime import Runtime
+    from paratrain.engine.trainer import fit
+
+    runtime = Runtime(env=detect(os.environ), device=torch.device("cpu"), backend="gloo")
+    summary = fit(TrainConfig(**values), runtime)
+    return summary["final"]
+
+
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+def test_compressed_gradients_train_to_a_finite_loss(tmp_path, kind):
+    # 24 training images: 3 micro-batches of 4 per rank, none of a single image
+    data = make_image_folder(tmp_path / "data", classes=3, per_class=10)
+    values = dict(data=str(data), output_dir=str(tmp_path / "runs"), image_size=16,
+                  batch_size=4, workers=0, epochs=1, cache="off", grad_compression=kind,
+                  grad_accum=2, name=kind)  # fmt: skip
+    finals = run_distributed(_fit, 2, values)
+    assert finals[0]["world_size"] == 2
+    assert math.isfinite(finals[0]["train_loss"]) and finals[0]["val_count"] == 6
+
+
+def _hook_average(rank, world_size, kind):
+    from torch import nn
+
+    from paratrain.parallel.ddp import register_compression
+
+    torch.manual_seed(0)
+    model = nn.Linear(64, 8)
+    wrapped = nn.parallel.DistributedDataParallel(model)
+    register_compression(wrapped, kind)
+    torch.manual_seed(rank + 1)  # every rank its own data
+    wrapped(torch.randn(16, 64)).square().mean().backward()
+    return model.weight.grad.clone()
+
+
+def test_compressed_average_is_close_to_the_exact_one():
+    exact = run_distributed(_hook_average, 2, "none")[0]
+    for kind, tolerance in (("fp16", 1e-3), ("bf16", 1e-2)):
+        compressed = run_distributed(_hook_average, 2, kind)
+        assert torch.equal(compressed[0], compressed[1])  # every rank the same average
+        torch.testing.assert_close(compressed[0], exact, rtol=tolerance, atol=tolerance)
+        assert not torch.equal(compressed[0], exact)  # and it was compressed

@@ -1,0 +1,102 @@
+"""Speed options, for correctness: precision modes, accumulation, clipping."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from paratrain import TrainConfig, train
+from paratrain.dist.env import DistEnv
+from paratrain.dist.runtime import Runtime
+from paratrain.engine.precision import Precision, resolve
+from paratrain.engine.trainer import Progress, Recipe, StepControl, train_one_epoch
+from paratrain.errors import UserError
+from paratrain.parallel import ModelParts
+
+AMX = "processor : 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_tile amx_bf16\n"
+OLD = "processor : 0\nflags\t\t: fpu sse2 avx2\n"
+
+
+def test_auto_precision_follows_the_cpu_flags():
+    cpu = torch.device("cpu")
+    assert resolve("auto", cpu, cpuinfo=AMX) == "bf16-mixed"
+    assert resolve("auto", cpu, cpuinfo=OLD) == "32"
+    assert resolve("bf16-mixed", cpu, cpuinfo=OLD) == "bf16-mixed"  # asked for: given
+    with pytest.raises(UserError, match="16-mixed needs CUDA"):
+        resolve("16-mixed", cpu)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"precision": "32"},
+        {"precision": "bf16-mixed", "clip_grad": 1.0},
+        {"precision": "auto", "grad_accum": 3},
+    ],
+    ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()),
+)
+def test_precision_modes_train_and_evaluate(image_folder, tmp_path, options):
+    summary = train(
+        TrainConfig(data=str(image_folder), image_size=16, epochs=1, batch_size=4, workers=0,
+                    output_dir=str(tmp_path), name="p", **options)
+    )  # fmt: skip
+    final = summary["final"]
+    # (one epoch of 6 steps leaves BatchNorm's running statistics far from the data, so the
+    # validation loss itself can overflow; the counts and accuracy are what is checked)
+    assert math.isfinite(final["train_loss"]) and 0.0 <= final["val_top1"] <= 1.0
+    assert final["val_count"] == 6  # 3 classes x 12 images, 20% held out
+
+
+class _Control(StepControl):
+    """No checkpoints, no signals: only the per-step agreement on the loss."""
+
+    def __init__(self, cfg):
+        self.cfg, self.fault, self.stop_requested = cfg, None, False
+        self.guard = SimpleNamespace(signum=0)
+
+    def after_step(self, progress):
+        pass
+
+
+def _one_step(model, batches, accum, clip=None):
+    """Run train_one_epoch over ``batches`` and return the gradient of the one step."""
+    parts = ModelParts([model])
+    optimizer = torch.optim.SGD(parts.parameters(), lr=1.0)  # w' = w - grad
+    before = [p.detach().clone() for p in parts.parameters()]
+    runtime = Runtime(env=DistEnv(), device=torch.device("cpu"), backend=None)
+    cfg = TrainConfig(grad_accum=accum, clip_grad=clip)
+    recipe = Recipe(criterion=nn.CrossEntropyLoss(), precision=Precision("32", runtime.device),
+                    grad_accum=accum, clip_grad=clip)  # fmt: skip
+    progress = Progress()
+    train_one_epoch(parts, batches, optimizer, runtime, _Control(cfg), progress, None, recipe)
+    assert progress.global_step == 1
+    return [b - p.detach() for b, p in zip(before, parts.parameters(), strict=True)]
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+
+
+def test_accumulating_k_micro_batches_equals_one_k_times_larger_batch():
+    torch.manual_seed(1)
+    images, labels = torch.randn(12, 3, 8, 8), torch.randint(0, 3, (12,))
+    micro = [(images[i : i + 4], labels[i : i + 4]) for i in range(0, 12, 4)]
+    accumulated = _one_step(_model(), micro, accum=3)
+    whole = _one_step(_model(), [(images, labels)], accum=1)
+    for a, b in zip(accumulated, whole, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_clipping_bounds_the_gradient_norm():
+    torch.manual_seed(1)
+    batch = [(torch.randn(8, 3, 8, 8) * 50, torch.randint(0, 3, (8,)))]
+    free = _one_step(_model(), batch, accum=1)
+    clipped = _one_step(_model(), batch, accum=1, clip=0.5)
+    norm = lambda grads: float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))  # noqa: E731
+    assert norm(free) > 0.5
+    assert norm(clipped) == pytest.approx(0.5, rel=1e-4)
