@@ -242,6 +242,30 @@ def _evaluate_worker(
         return report
 
 
+def bench(config: TrainConfig, steps: int = 20, warmup: int = 5, argv: Sequence[str] | None = None):
+    """`paratrain bench`: step speed on synthetic data; the result on rank 0, else None."""
+    if steps < 1 or warmup < 0:
+        raise UserError(f"--steps must be at least 1 and --warmup 0 or more, got {steps}, {warmup}")
+    config.validate()
+    env = detect(os.environ)
+    _check_device_options(config)
+    if config.nproc > 1 and env.source == "single":
+        from paratrain.dist.launch import launch
+
+        code = launch(config.nproc, list(argv or []))
+        if code:
+            raise SystemExit(code)
+        return None
+    from paratrain.dist.runtime import distributed
+    from paratrain.engine.bench import run_bench
+    from paratrain.models.registry import list_models
+
+    if config.model not in list_models():
+        raise UserError(f"unknown model {config.model!r} (see `paratrain models`)")
+    with distributed(env, config.device, config.backend, config.timeout) as rt:
+        return run_bench(config, rt, steps, warmup)
+
+
 def check(
     nproc: int = 2,
     backend: str | None = None,

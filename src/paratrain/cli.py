@@ -318,6 +318,22 @@ def build_parser() -> argparse.ArgumentParser:
     runs.add_argument("dir", nargs="?", default="runs", help="run folder (default runs)")
     runs.add_argument("--json", action="store_true", help="print the rows as JSON")
     sub.add_parser("models", help="list the model names --model accepts")
+    b = sub.add_parser(
+        "bench", help="training-step speed on synthetic data: images/s, time per phase"
+    )
+    b.add_argument("--model", default="resnet18")
+    b.add_argument("--image-size", type=_positive_int, default=224)
+    b.add_argument("--batch-size", type=_positive_int, default=16, help="per process")
+    b.add_argument("--nproc", type=_positive_int, default=1)
+    b.add_argument("--precision", choices=["auto", "32", "bf16-mixed", "16-mixed"], default="auto")
+    b.add_argument(
+        "--grad-compression", choices=["none", "fp16", "bf16", "powersgd"], default="none"
+    )
+    b.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    b.add_argument("--device", default=None)
+    b.add_argument("--steps", type=_positive_int, default=20, help="timed steps (median)")
+    b.add_argument("--warmup", type=_positive_int, default=5)
+    b.add_argument("--json", action="store_true", help="print the result as JSON")
     _add_slurm_flags(
         sub.add_parser(
             "slurm",
@@ -463,6 +479,8 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
         return 0
     if args.command == "runs":
         return _runs(args)
+    if args.command == "bench":
+        return _bench(args, argv)
     if args.command == "check":
         from paratrain.api import check
 
@@ -554,4 +572,27 @@ def _slurm(argv: list[str]) -> int:
     except UserError as exc:
         _report(str(exc))
         return exc.exit_code
+    return 0
+
+
+def _bench(args: argparse.Namespace, argv: list[str]) -> int:
+    from dataclasses import asdict
+
+    from paratrain.api import bench
+    from paratrain.config import TrainConfig
+    from paratrain.engine.bench import format_result
+
+    config = TrainConfig(
+        model=args.model,
+        image_size=args.image_size,
+        batch_size=args.batch_size,
+        nproc=args.nproc,
+        precision=args.precision,
+        grad_compression=args.grad_compression,
+        bucket_cap_mb=args.bucket_cap_mb,
+        device=args.device,
+    )
+    result = bench(config, args.steps, args.warmup, argv)
+    if result is not None:
+        print(json.dumps(asdict(result)) if args.json else format_result(result))
     return 0

@@ -57,3 +57,22 @@ def test_compressed_average_is_close_to_the_exact_one():
         assert torch.equal(compressed[0], compressed[1])  # every rank the same average
         torch.testing.assert_close(compressed[0], exact, rtol=tolerance, atol=tolerance)
         assert not torch.equal(compressed[0], exact)  # and it was compressed
+
+
+def _bench(rank, world_size):
+    from paratrain.config import TrainConfig
+    from paratrain.dist.env import detect
+    from paratrain.dist.runtime import Runtime
+    from paratrain.engine.bench import run_bench
+
+    runtime = Runtime(env=detect(os.environ), device=torch.device("cpu"), backend="gloo")
+    config = TrainConfig(image_size=16, batch_size=4, precision="32")
+    return run_bench(config, runtime, steps=3, warmup=1)
+
+
+def test_bench_on_two_ranks_reports_totals_and_communication():
+    first, second = run_distributed(_bench, 2)
+    assert second is None  # rank 0 reports
+    assert first.world_size == 2
+    assert first.images_per_s == pytest.approx(2 * first.images_per_s_per_process)
+    assert first.no_sync_step_ms > 0 and first.communication_ms >= 0

@@ -100,3 +100,24 @@ def test_clipping_bounds_the_gradient_norm():
     norm = lambda grads: float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))  # noqa: E731
     assert norm(free) > 0.5
     assert norm(clipped) == pytest.approx(0.5, rel=1e-4)
+
+
+def test_bench_json_has_every_field(capsys):
+    import dataclasses
+    import json
+
+    from paratrain.cli import main
+    from paratrain.engine.bench import BenchResult
+
+    argv = ["bench", "--image-size", "16", "--batch-size", "4", "--steps", "3", "--warmup", "1"]
+    assert main([*argv, "--precision", "32", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result) == {f.name for f in dataclasses.fields(BenchResult)}
+    assert (result["world_size"], result["precision"], result["steps"]) == (1, "32", 3)
+    for phase in ("data_ms", "forward_ms", "backward_ms", "optimizer_ms"):
+        assert 0 <= result[phase] < result["step_ms"]  # each step's part below its whole
+    assert result["communication_ms"] == 0.0  # one process: nothing to communicate
+    assert result["images_per_s"] == pytest.approx(4 / (result["step_ms"] / 1000))
+    assert result["peak_memory_mb"] > 0
+    assert main([*argv]) == 0
+    assert "images/s:" in capsys.readouterr().out

@@ -1,0 +1,156 @@
+"""`paratrain bench`: training-step speed on synthetic data already on the device.
+
+Each timed step is split into data (taking the next batch from a pool on the device),
+forward, backward and optimizer. With DDP the backward pass also carries the gradient
+all-reduce, overlapped with it; communication is measured as the median synced step
+minus the median step of the same work under ``no_sync`` (gradients kept local).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from paratrain.config import TrainConfig
+from paratrain.dist import comm
+from paratrain.dist.runtime import Runtime
+from paratrain.engine.evaluate import logits_of
+from paratrain.engine.precision import Precision
+from paratrain.engine.precision import resolve as resolve_precision
+from paratrain.engine.recipe import build_optimizer
+from paratrain.models.registry import create_model
+from paratrain.parallel import parallelize
+
+PHASES = ("data", "forward", "backward", "optimizer")
+
+
+@dataclass
+class BenchResult:
+    model: str
+    image_size: int
+    batch_size: int
+    world_size: int
+    precision: str
+    device: str
+    steps: int
+    step_ms: float  # median synced step, slowest rank
+    no_sync_step_ms: float
+    communication_ms: float
+    data_ms: float
+    forward_ms: float
+    backward_ms: float
+    optimizer_ms: float
+    images_per_s_per_process: float
+    images_per_s: float
+    peak_memory_mb: float  # CUDA: allocated tensors; CPU: resident set of the process
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def run_bench(cfg: TrainConfig, rt: Runtime, steps: int, warmup: int) -> BenchResult | None:
+    """Time ``steps`` training steps after ``warmup``; every rank takes part, rank 0 gets
+    the result (the slowest rank's medians), the others None."""
+    torch.manual_seed(cfg.seed)
+    classes = 10
+    parts = parallelize(create_model(cfg.model, classes, cfg.image_size), cfg, rt)
+    optimizer = build_optimizer(parts, cfg, rt.world_size)
+    precision = Precision(resolve_precision(cfg.precision, rt.device), rt.device)
+    pool = [
+        (
+            torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size, device=rt.device),
+            torch.randint(0, classes, (cfg.batch_size,), device=rt.device),
+        )
+        for _ in range(2)
+    ]
+    criterion = nn.CrossEntropyLoss()
+    parts.train()
+
+    def step(index: int, synced: bool) -> dict[str, float]:
+        times = {}
+        mark = time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal mark
+            _sync(rt.device)
+            now = time.perf_counter()
+            times[name] = now - mark
+            mark = now
+
+        images, labels = pool[index % len(pool)]
+        lap("data")
+        with precision.autocast():
+            loss = criterion(logits_of(parts(images)), labels)
+        lap("forward")
+        with parts.no_sync() if not synced else contextlib.nullcontext():
+            precision.backward(loss)
+        lap("backward")
+        precision.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        lap("optimizer")
+        return times
+
+    for i in range(warmup):
+        step(i, synced=True)
+    comm.barrier()
+    synced = [step(i, synced=True) for i in range(steps)]
+    comm.barrier()
+    local = [step(i, synced=False) for i in range(steps)] if rt.world_size > 1 else synced
+    medians = {name: statistics.median(t[name] for t in synced) for name in PHASES}
+    total = statistics.median(sum(t.values()) for t in synced)
+    no_sync_total = statistics.median(sum(t.values()) for t in local)
+    mine = {**medians, "step": total, "no_sync": no_sync_total, "mem": _peak_memory_mb(rt.device)}
+    every = comm.all_gather_object(mine)
+    if not rt.is_main:
+        return None
+    slowest = {key: max(r[key] for r in every) for key in mine}
+    per_process = cfg.batch_size / slowest["step"]
+    return BenchResult(
+        model=cfg.model,
+        image_size=cfg.image_size,
+        batch_size=cfg.batch_size,
+        world_size=rt.world_size,
+        precision=precision.mode,
+        device=rt.device.type,
+        steps=steps,
+        step_ms=1000 * slowest["step"],
+        no_sync_step_ms=1000 * slowest["no_sync"],
+        communication_ms=1000 * max(0.0, slowest["step"] - slowest["no_sync"]),
+        data_ms=1000 * slowest["data"],
+        forward_ms=1000 * slowest["forward"],
+        backward_ms=1000 * slowest["backward"],
+        optimizer_ms=1000 * slowest["optimizer"],
+        images_per_s_per_process=per_process,
+        images_per_s=per_process * rt.world_size,
+        peak_memory_mb=slowest["mem"],
+    )
+
+
+def format_result(result: BenchResult) -> str:
+    r = asdict(result)
+    lines = [
+        f"{r['model']} at {r['image_size']}px, batch {r['batch_size']} x {r['world_size']} "
+        f"process(es) on {r['device']}, precision {r['precision']}, median of {r['steps']} steps",
+        f"  images/s: {r['images_per_s']:.1f} in total, {r['images_per_s_per_process']:.1f} "
+        "per process",
+        f"  step {r['step_ms']:.1f} ms = data {r['data_ms']:.1f} + forward {r['forward_ms']:.1f}"
+        f" + backward {r['backward_ms']:.1f} + optimizer {r['optimizer_ms']:.1f}",
+        f"  communication {r['communication_ms']:.1f} ms (synced step minus no_sync step "
+        f"{r['no_sync_step_ms']:.1f} ms)",
+        f"  peak memory {r['peak_memory_mb']:.0f} MB",
+    ]
+    return "\n".join(lines)
