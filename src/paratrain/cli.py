@@ -186,6 +186,12 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     speed.add_argument(
         "--bucket-cap-mb", type=float, default=S, help="DDP gradient bucket size (default 25)"
     )
+    speed.add_argument(
+        "--memory-format",
+        choices=["auto", "channels_last", "contiguous"],
+        default=S,
+        help="auto (default): channels_last for convolutional models on CUDA, contiguous on CPU",
+    )
     par = p.add_argument_group("parallelism")
     par.add_argument(
         "--nproc",
@@ -330,6 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--grad-compression", choices=["none", "fp16", "bf16", "powersgd"], default="none"
     )
     b.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    b.add_argument(
+        "--memory-format", choices=["auto", "channels_last", "contiguous"], default="auto"
+    )
     b.add_argument("--device", default=None)
     b.add_argument("--steps", type=_positive_int, default=20, help="timed steps (median)")
     b.add_argument("--warmup", type=_positive_int, default=5)
@@ -590,6 +599,7 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
         precision=args.precision,
         grad_compression=args.grad_compression,
         bucket_cap_mb=args.bucket_cap_mb,
+        memory_format=args.memory_format,
         device=args.device,
     )
     result = bench(config, args.steps, args.warmup, argv)

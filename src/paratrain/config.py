@@ -60,6 +60,7 @@ class TrainConfig:
     clip_grad: float | None = None
     grad_compression: str = "none"
     bucket_cap_mb: float = 25.0
+    memory_format: str = "auto"
     # parallelism
     nproc: int = 1
     strategy: str = "ddp"
@@ -140,6 +141,11 @@ class TrainConfig:
             raise UserError(
                 "--grad-compression must be none, fp16, bf16 or powersgd, "
                 f"got {self.grad_compression!r}"
+            )
+        if self.memory_format not in ("auto", "channels_last", "contiguous"):
+            raise UserError(
+                "--memory-format must be auto, channels_last or contiguous, "
+                f"got {self.memory_format!r}"
             )
         if not self.bucket_cap_mb > 0:
             raise UserError(f"--bucket-cap-mb must be positive, got {self.bucket_cap_mb}")

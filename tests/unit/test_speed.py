@@ -121,3 +121,29 @@ def test_bench_json_has_every_field(capsys):
     assert result["peak_memory_mb"] > 0
     assert main([*argv]) == 0
     assert "images/s:" in capsys.readouterr().out
+
+
+def test_memory_format_auto_is_channels_last_for_conv_models_on_cuda_only():
+    from torchvision.models import resnet18, vit_b_16
+
+    from paratrain.parallel import memory_format_for
+
+    conv, cuda, cpu = resnet18(num_classes=3), torch.device("cuda"), torch.device("cpu")
+    assert memory_format_for(conv, "auto", cuda) == torch.channels_last
+    assert memory_format_for(conv, "auto", cpu) == torch.contiguous_format
+    assert memory_format_for(conv, "channels_last", cpu) == torch.channels_last
+    assert memory_format_for(conv, "contiguous", cuda) == torch.contiguous_format
+    vit = vit_b_16(num_classes=3, image_size=32)
+    assert memory_format_for(vit, "auto", cuda) == torch.contiguous_format
+
+
+def test_channels_last_trains_and_keeps_the_format(image_folder, tmp_path):
+    from paratrain.engine import checkpoint
+
+    summary = train(
+        TrainConfig(data=str(image_folder), image_size=16, epochs=1, batch_size=4, workers=0,
+                    output_dir=str(tmp_path), name="cl", memory_format="channels_last")
+    )  # fmt: skip
+    assert math.isfinite(summary["final"]["train_loss"])
+    state = checkpoint.load(tmp_path / "cl/checkpoints/last.pt")
+    assert state["model"]["conv1.weight"].is_contiguous(memory_format=torch.channels_last)

@@ -72,7 +72,9 @@ def run_bench(cfg: TrainConfig, rt: Runtime, steps: int, warmup: int) -> BenchRe
     precision = Precision(resolve_precision(cfg.precision, rt.device), rt.device)
     pool = [
         (
-            torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size, device=rt.device),
+            torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size, device=rt.device).to(
+                memory_format=parts.memory_format
+            ),
             torch.randint(0, classes, (cfg.batch_size,), device=rt.device),
         )
         for _ in range(2)

@@ -57,8 +57,9 @@ def evaluate(
     correct5 = torch.zeros((), dtype=torch.int64)
     confusion = torch.zeros(num_classes * num_classes, dtype=torch.int64)
     predicted: list[int] = []
+    fmt = getattr(model, "memory_format", torch.preserve_format)
     for images, labels in loader:
-        images = images.to(device, non_blocking=True)
+        images = images.to(device, non_blocking=True, memory_format=fmt)
         labels = labels.to(device, non_blocking=True)
         logits = logits_of(model(images)).float()
         losses.append(nn.functional.cross_entropy(logits, labels, reduction="none").double().cpu())

@@ -253,7 +253,7 @@ def train_one_epoch(
     optimizer.zero_grad(set_to_none=True)
     micro, step_loss, step_correct, step_n = 0, 0.0, 0, 0
     for index, (images, labels) in enumerate(loader):
-        images = images.to(rt.device, non_blocking=True)
+        images = images.to(rt.device, non_blocking=True, memory_format=parts.memory_format)
         labels = labels.to(rt.device, non_blocking=True)
         targets = labels
         if recipe.mixer is not None:  # train accuracy is then against the unmixed labels
