@@ -190,7 +190,7 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         "--memory-format",
         choices=["auto", "channels_last", "contiguous"],
         default=S,
-        help="auto (default): channels_last for convolutional models on CUDA, contiguous on CPU",
+        help="auto (default): channels_last for convolutional models",
     )
     par = p.add_argument_group("parallelism")
     par.add_argument(

@@ -123,18 +123,19 @@ def test_bench_json_has_every_field(capsys):
     assert "images/s:" in capsys.readouterr().out
 
 
-def test_memory_format_auto_is_channels_last_for_conv_models_on_cuda_only():
+def test_memory_format_auto_is_channels_last_for_conv_models():
     from torchvision.models import resnet18, vit_b_16
 
     from paratrain.parallel import memory_format_for
 
     conv, cuda, cpu = resnet18(num_classes=3), torch.device("cuda"), torch.device("cpu")
     assert memory_format_for(conv, "auto", cuda) == torch.channels_last
-    assert memory_format_for(conv, "auto", cpu) == torch.contiguous_format
+    assert memory_format_for(conv, "auto", cpu) == torch.channels_last
     assert memory_format_for(conv, "channels_last", cpu) == torch.channels_last
     assert memory_format_for(conv, "contiguous", cuda) == torch.contiguous_format
     vit = vit_b_16(num_classes=3, image_size=32)
     assert memory_format_for(vit, "auto", cuda) == torch.contiguous_format
+    assert memory_format_for(vit, "auto", cpu) == torch.contiguous_format
 
 
 def test_channels_last_trains_and_keeps_the_format(image_folder, tmp_path):
