@@ -63,3 +63,14 @@ def run_distributed(fn, world_size: int, *args):
 def in_single_process(fn, *args):
     """Run ``fn(0, 1, *args)`` here, without a process group (the 1-process reference)."""
     return fn(0, 1, *args)
+
+
+def fit_on_rank(rank, world_size, values: dict) -> dict:
+    """paratrain's training loop on this rank of the group: returns its run summary."""
+    from paratrain.config import TrainConfig
+    from paratrain.dist.env import detect
+    from paratrain.dist.runtime import Runtime
+    from paratrain.engine.trainer import fit
+
+    runtime = Runtime(env=detect(os.environ), device=torch.device("cpu"), backend="gloo")
+    return fit(TrainConfig(**values), runtime)

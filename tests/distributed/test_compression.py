@@ -10,18 +10,7 @@ import pytest
 import torch
 
 from imagefolders import make_image_folder
-from spawn import run_distributed
-
-
-def _fit(rank, world_size, values):
-    from paratrain.config import TrainConfig
-    from paratrain.dist.env import detect
-    from paratrain.dist.runtime import Runtime
-    from paratrain.engine.trainer import fit
-
-    runtime = Runtime(env=detect(os.environ), device=torch.device("cpu"), backend="gloo")
-    summary = fit(TrainConfig(**values), runtime)
-    return summary["final"]
+from spawn import fit_on_rank, run_distributed
 
 
 @pytest.mark.parametrize("kind", ["fp16", "bf16"])
@@ -31,9 +20,9 @@ def test_compressed_gradients_train_to_a_finite_loss(tmp_path, kind):
     values = dict(data=str(data), output_dir=str(tmp_path / "runs"), image_size=16,
                   batch_size=4, workers=0, epochs=1, cache="off", grad_compression=kind,
                   grad_accum=2, name=kind)  # fmt: skip
-    finals = run_distributed(_fit, 2, values)
-    assert finals[0]["world_size"] == 2
-    assert math.isfinite(finals[0]["train_loss"]) and finals[0]["val_count"] == 6
+    summary = run_distributed(fit_on_rank, 2, values)[0]
+    assert summary["world_size"] == 2
+    assert math.isfinite(summary["final"]["train_loss"]) and summary["final"]["val_count"] == 6
 
 
 def _hook_average(rank, world_size, kind):

@@ -95,11 +95,11 @@ def test_slurm_script_runs_two_agents_that_equal_a_four_process_run(tmp_path, ca
     assert summary["world_size"] == 4
 
     # the reference: the same job on 4 ranks of one machine (forked here: no start-up)
-    from spawn import run_distributed
+    from spawn import fit_on_rank, run_distributed
 
     config = {"data": str(data), "output_dir": str(tmp_path / "runs"), "name": "single"}
     config.update(image_size=16, batch_size=4, workers=0, epochs=1, deterministic=True)
-    run_distributed(_fit_rank, 4, {**config, "cache": "off"})
+    run_distributed(fit_on_rank, 4, {**config, "cache": "off"})
     two_nodes = torch.load(run_dir / "checkpoints/last.pt", weights_only=False)
     one_node = torch.load(tmp_path / "runs/single/checkpoints/last.pt", weights_only=False)
     for key, value in one_node["model"].items():
@@ -110,16 +110,6 @@ def test_slurm_script_runs_two_agents_that_equal_a_four_process_run(tmp_path, ca
     assert metrics[0]["val_count"] == metrics[1]["val_count"] == 12
     assert metrics[0]["val_top1"] == metrics[1]["val_top1"]
     assert metrics[0]["val_loss"] == pytest.approx(metrics[1]["val_loss"], abs=1e-6)
-
-
-def _fit_rank(rank, world_size, values):
-    from paratrain.config import TrainConfig
-    from paratrain.dist.env import detect
-    from paratrain.dist.runtime import Runtime
-    from paratrain.engine.trainer import fit
-
-    runtime = Runtime(env=detect(os.environ), device=torch.device("cpu"), backend="gloo")
-    return fit(TrainConfig(**values), runtime)["world_size"]
 
 
 def test_slurm_refuses_nproc_and_bad_train_flags(capsys):
