@@ -1,0 +1,103 @@
+"""The textbook DDP training script that paratrain is compared with (no paratrain code).
+
+torchvision ImageFolder with PIL decoding, DistributedSampler (set_epoch every epoch),
+DistributedDataParallel, SGD, fp32, a DataLoader with workers. Run it under torchrun:
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/plain_ddp.py DATA --epochs 2
+
+DATA holds train/<class>/* and val/<class>/*. Rank 0 prints one JSON line: training
+images per second (training time only, every rank's images), validation top-1, seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torchvision
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+from torchvision import transforms as T
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("data")
+    parser.add_argument("--model", default="resnet18")
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--workers", type=int, default=0)
+    args = parser.parse_args()
+
+    distributed = "RANK" in os.environ
+    if distributed:
+        dist.init_process_group("gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    normalize = T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+    train_set = torchvision.datasets.ImageFolder(
+        os.path.join(args.data, "train"),
+        T.Compose([T.RandomResizedCrop(args.image_size), T.RandomHorizontalFlip(),
+                   T.ToTensor(), normalize]),
+    )  # fmt: skip
+    val_set = torchvision.datasets.ImageFolder(
+        os.path.join(args.data, "val"),
+        T.Compose([T.Resize(args.image_size * 256 // 224), T.CenterCrop(args.image_size),
+                   T.ToTensor(), normalize]),
+    )  # fmt: skip
+    sampler = DistributedSampler(train_set, seed=0) if distributed else None
+    train_loader = DataLoader(train_set, args.batch_size, shuffle=sampler is None,
+                              sampler=sampler, num_workers=args.workers)  # fmt: skip
+    val_sampler = DistributedSampler(val_set, shuffle=False) if distributed else None
+    val_loader = DataLoader(val_set, args.batch_size, sampler=val_sampler,
+                            num_workers=args.workers)  # fmt: skip
+
+    torch.manual_seed(0)
+    model = torchvision.models.get_model(args.model, num_classes=len(train_set.classes))
+    if distributed:
+        model = nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * world, momentum=0.9,
+                                weight_decay=0.005)  # fmt: skip
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, args.epochs)
+    criterion = nn.CrossEntropyLoss()
+
+    train_seconds, seen = 0.0, 0
+    for epoch in range(args.epochs):
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        model.train()
+        start = time.perf_counter()
+        for images, labels in train_loader:
+            loss = criterion(model(images), labels)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            seen += labels.numel()
+        train_seconds += time.perf_counter() - start
+        scheduler.step()
+
+    model.eval()
+    correct = torch.zeros(2)
+    with torch.no_grad():
+        for images, labels in val_loader:
+            correct += torch.tensor([(model(images).argmax(1) == labels).sum(), labels.numel()])
+    if distributed:
+        dist.all_reduce(correct)
+        totals = torch.tensor([float(seen), train_seconds])
+        dist.all_reduce(totals)  # images summed; seconds summed, averaged below
+        seen, train_seconds = totals[0].item(), totals[1].item() / world
+    if rank == 0:
+        print(json.dumps({"images_per_s": seen / train_seconds,
+                          "val_top1": (correct[0] / correct[1]).item(),
+                          "train_seconds": train_seconds}))  # fmt: skip
+    if distributed:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""paratrain against the textbook DDP loop (benchmarks/plain_ddp.py), side by side.
+
+Same generated image folder (JPEGs of 400x300 pixels, 5 classes, 80/20 train/val), same
+model, image size, batch, epochs and learning rate; runs alternate. Three variants:
+
+* plain    — benchmarks/plain_ddp.py (ImageFolder + PIL, DistributedSampler, DDP, fp32)
+* matched  — paratrain with the plain loop's settings: fp32, no cache, contiguous
+             memory, the same loader workers (framework overhead; target >= 0.98x)
+* defaults — paratrain as it comes (decoded-image cache, channels_last, auto precision,
+             loader workers from the cores; target >= 2x end to end)
+
+Layouts: 1x2 (one process, 2 threads) and 2x1 (two processes, 1 thread each).
+Printed: training images/s (training time only), end-to-end images/s (every trained
+image over the wall time of the whole command, start-up and cache build included),
+validation top-1, and the ratios to the plain loop.
+
+    python benchmarks/vs_plain_loop.py [--images 3000] [--sizes 64 128] \\
+        [--layouts 1x2 2x1] [--epochs 2] [--rounds 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+HERE = Path(__file__).resolve().parent
+CLASSES = 5
+
+
+def make_folder(root: Path, count: int) -> Path:
+    """Class = colour cast + stripe direction, under texture and noise; 80/20 split."""
+    rng = np.random.default_rng(0)
+    yy, xx = np.mgrid[0:300, 0:400].astype(np.float32)
+    tints = rng.uniform(60, 200, size=(CLASSES, 3))
+    for i in range(count):
+        label = i % CLASSES
+        subset = "val" if (i // CLASSES) % 5 == 0 else "train"
+        folder = root / subset / f"class_{label}"
+        folder.mkdir(parents=True, exist_ok=True)
+        angle = np.pi * label / CLASSES + rng.normal(0, 0.1)
+        stripes = np.sin((xx * np.cos(angle) + yy * np.sin(angle)) / rng.uniform(6, 14))
+        pixels = tints[label] + 40 * stripes[..., None] + rng.normal(0, 25, size=(300, 400, 3))
+        Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(
+            folder / f"{i:05d}.jpg", quality=90
+        )
+    return root
+
+
+def run(command: list[str], threads: int, cwd: Path) -> tuple[float, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PARATRAIN_NO_BAR": "1"}
+    start = time.perf_counter()
+    out = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if out.returncode != 0:
+        sys.exit(f"failed: {' '.join(command)}\n{out.stderr[-3000:]}")
+    return wall, out.stdout
+
+
+def plain(data, size, nproc, args, cwd):
+    script = [str(HERE / "plain_ddp.py"), str(data), "--image-size", str(size),
+              "--batch-size", "16", "--epochs", str(args.epochs), "--workers", "1"]  # fmt: skip
+    if nproc > 1:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={nproc}", *script]  # fmt: skip
+    else:
+        command = [sys.executable, *script]
+    wall, out = run(command, 2 // nproc, cwd)
+    result = json.loads(out.strip().splitlines()[-1])
+    return result["images_per_s"], wall, result["val_top1"]
+
+
+def paratrain(data, size, nproc, args, cwd, matched: bool, name: str):
+    command = [sys.executable, "-m", "paratrain", "train", "--data", str(data),
+               "--image-size", str(size), "--batch-size", "16", "--epochs", str(args.epochs),
+               "--nproc", str(nproc), "--lrf", "0", "--name", name]  # fmt: skip
+    if matched:
+        command += ["--precision", "32", "--cache", "off", "--memory-format", "contiguous",
+                    "--workers", "1"]  # fmt: skip
+    wall, _ = run(command, 2 // nproc, cwd)
+    rows = [json.loads(x) for x in (cwd / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+    seconds = sum(1 / r["train_images_per_s"] for r in rows)  # per image, summed over epochs
+    return len(rows) / seconds, wall, rows[-1]["val_top1"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=3000)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--layouts", nargs="+", default=["1x2", "2x1"])
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        cwd = Path(tmp)
+        data = make_folder(cwd / "data", args.images)
+        n_train = sum(1 for _ in (data / "train").rglob("*.jpg"))
+        print(f"{args.images} JPEGs 400x300 ({n_train} train), resnet18, batch 16 per process, "
+              f"{args.epochs} epochs, {args.rounds} round(s)")  # fmt: skip
+        for size in args.sizes:
+            for layout in args.layouts:
+                nproc = int(layout.split("x")[0])
+                got = {"plain": [], "matched": [], "defaults": []}
+                for r in range(args.rounds):
+                    got["plain"].append(plain(data, size, nproc, args, cwd))
+                    got["matched"].append(
+                        paratrain(data, size, nproc, args, cwd, True, f"m{size}{layout}{r}")
+                    )
+                    got["defaults"].append(
+                        paratrain(data, size, nproc, args, cwd, False, f"d{size}{layout}{r}")
+                    )
+                best = {k: max(v, key=lambda t: t[0]) for k, v in got.items()}
+                e2e = {k: args.epochs * n_train / min(t[1] for t in v) for k, v in got.items()}
+                base_ips, base_e2e = best["plain"][0], e2e["plain"]
+                print(f"\n{size} px, {layout}:")
+                for k in got:
+                    print(f"  {k:9s} train {best[k][0]:7.1f} img/s ({best[k][0] / base_ips:5.2f}x)  "
+                          f"end to end {e2e[k]:7.1f} img/s ({e2e[k] / base_e2e:5.2f}x)  "
+                          f"val top-1 {best[k][2]:.1%}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
