@@ -75,9 +75,9 @@ def data(tmp_path_factory) -> tuple[Path, Path]:
     return root, make_image_folder(root / "data", classes=3, per_class=20)
 
 
-def test_a_failure_on_one_rank_ends_every_rank(data):
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_a_failure_on_one_rank_ends_every_rank(data, nproc):
     root, folder = data
-    nproc = 3  # one failing rank, two peers blocked in a collective (2 ranks: the tests below)
     tag = f"failrun{nproc}"
     out, seconds = run(
         root, *job(folder, tag, nproc=nproc, epochs=2), PARATRAIN_INJECT="rank=1,step=2,kind=raise"

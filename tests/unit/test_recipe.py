@@ -37,7 +37,10 @@ def run(data, out, name, **options):
     [
         {"opt": "adamw", "lr": 0.001},
         {"label_smoothing": 0.1},
-        {"mixup": 0.2, "cutmix": 1.0, "label_smoothing": 0.1, "seed": 7},
+        {"mixup": 0.2},
+        {"cutmix": 1.0},
+        {"mixup": 0.2, "cutmix": 1.0, "label_smoothing": 0.1},
+        {"seed": 7},
     ],
     ids=lambda o: ",".join(o),
 )
