@@ -196,10 +196,10 @@ def evaluate_checkpoint(
 
 def _eval_dir(state_path: str, suffix: str = "") -> Path:
     """<run>/eval for a checkpoint inside a run directory, else eval-<name> beside it."""
-    path = Path(state_path)
-    if path.parent.name == "checkpoints":
-        return path.parent.parent / f"eval{suffix}"
-    return path.parent / f"eval-{path.stem}{suffix}"
+    from paratrain.engine.checkpoint import run_dir_of
+
+    path, run = Path(state_path), run_dir_of(state_path)
+    return run / f"eval{suffix}" if run else path.parent / f"eval-{path.stem}{suffix}"
 
 
 def _evaluate_worker(
@@ -258,10 +258,7 @@ def bench(config: TrainConfig, steps: int = 20, warmup: int = 5, argv: Sequence[
         return None
     from paratrain.dist.runtime import distributed
     from paratrain.engine.bench import run_bench
-    from paratrain.models.registry import list_models
 
-    if config.model not in list_models():
-        raise UserError(f"unknown model {config.model!r} (see `paratrain models`)")
     with distributed(env, config.device, config.backend, config.timeout) as rt:
         return run_bench(config, rt, steps, warmup)
 

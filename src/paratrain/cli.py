@@ -159,39 +159,7 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         default=S,
         help="train only the classifier head (fc / classifier / head); use with --weights",
     )
-    speed = p.add_argument_group("speed")
-    speed.add_argument(
-        "--precision",
-        choices=["auto", "32", "bf16-mixed", "16-mixed"],
-        default=S,
-        help="auto (default): bf16 autocast where the device computes bf16 natively (CUDA "
-        "with bf16, CPUs with AVX512-BF16/AMX), else fp32; 16-mixed: fp16 with a GradScaler, "
-        "CUDA only",
-    )
-    speed.add_argument(
-        "--grad-accum",
-        type=_positive_int,
-        default=S,
-        help="micro-batches per optimizer step (default 1); global batch and lr scaling count them",
-    )
-    speed.add_argument(
-        "--clip-grad", type=float, default=S, help="clip the gradient norm to this value"
-    )
-    speed.add_argument(
-        "--grad-compression",
-        choices=["none", "fp16", "bf16", "powersgd"],
-        default=S,
-        help="compress gradients for communication with a DDP hook (default none)",
-    )
-    speed.add_argument(
-        "--bucket-cap-mb", type=float, default=S, help="DDP gradient bucket size (default 25)"
-    )
-    speed.add_argument(
-        "--memory-format",
-        choices=["auto", "channels_last", "contiguous"],
-        default=S,
-        help="auto (default): channels_last for convolutional models",
-    )
+    _add_speed_flags(p.add_argument_group("speed"))
     par = p.add_argument_group("parallelism")
     par.add_argument(
         "--nproc",
@@ -288,6 +256,44 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML file of config keys; flags given here win")
 
 
+def _add_speed_flags(speed, training: bool = True) -> None:
+    """Speed flags of `train`; `bench` takes the ones that change what a step costs."""
+    speed.add_argument(
+        "--precision",
+        choices=["auto", "32", "bf16-mixed", "16-mixed"],
+        default=S,
+        help="auto (default): bf16 autocast where the device computes bf16 natively (CUDA "
+        "with bf16, CPUs with AVX512-BF16/AMX), else fp32; 16-mixed: fp16 with a GradScaler, "
+        "CUDA only",
+    )
+    if training:
+        speed.add_argument(
+            "--grad-accum",
+            type=_positive_int,
+            default=S,
+            help="micro-batches per optimizer step (default 1); global batch and lr scaling "
+            "count them",
+        )
+        speed.add_argument(
+            "--clip-grad", type=float, default=S, help="clip the gradient norm to this value"
+        )
+    speed.add_argument(
+        "--grad-compression",
+        choices=["none", "fp16", "bf16", "powersgd"],
+        default=S,
+        help="compress gradients for communication with a DDP hook (default none)",
+    )
+    speed.add_argument(
+        "--bucket-cap-mb", type=float, default=S, help="DDP gradient bucket size (default 25)"
+    )
+    speed.add_argument(
+        "--memory-format",
+        choices=["auto", "channels_last", "contiguous"],
+        default=S,
+        help="auto (default): channels_last for convolutional models",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="paratrain", description="Train image classifiers in parallel with PyTorch."
@@ -327,19 +333,12 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser(
         "bench", help="training-step speed on synthetic data: images/s, time per phase"
     )
-    b.add_argument("--model", default="resnet18")
-    b.add_argument("--image-size", type=_positive_int, default=224)
-    b.add_argument("--batch-size", type=_positive_int, default=16, help="per process")
-    b.add_argument("--nproc", type=_positive_int, default=1)
-    b.add_argument("--precision", choices=["auto", "32", "bf16-mixed", "16-mixed"], default="auto")
-    b.add_argument(
-        "--grad-compression", choices=["none", "fp16", "bf16", "powersgd"], default="none"
-    )
-    b.add_argument("--bucket-cap-mb", type=float, default=25.0)
-    b.add_argument(
-        "--memory-format", choices=["auto", "channels_last", "contiguous"], default="auto"
-    )
-    b.add_argument("--device", default=None)
+    b.add_argument("--model", default=S, help="(default resnet18)")
+    b.add_argument("--image-size", type=_positive_int, default=S, help="(default 224)")
+    b.add_argument("--batch-size", type=_positive_int, default=S, help="per process (default 16)")
+    b.add_argument("--nproc", type=_positive_int, default=S, help="(default 1)")
+    b.add_argument("--device", default=S)
+    _add_speed_flags(b, training=False)
     b.add_argument("--steps", type=_positive_int, default=20, help="timed steps (median)")
     b.add_argument("--warmup", type=_positive_int, default=5)
     b.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -591,17 +590,10 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
     from paratrain.config import TrainConfig
     from paratrain.engine.bench import format_result
 
-    config = TrainConfig(
-        model=args.model,
-        image_size=args.image_size,
-        batch_size=args.batch_size,
-        nproc=args.nproc,
-        precision=args.precision,
-        grad_compression=args.grad_compression,
-        bucket_cap_mb=args.bucket_cap_mb,
-        memory_format=args.memory_format,
-        device=args.device,
-    )
+    values = {
+        k: v for k, v in vars(args).items() if k not in ("command", "steps", "warmup", "json")
+    }
+    config = TrainConfig.from_dict(values, source="arguments")
     result = bench(config, args.steps, args.warmup, argv)
     if result is not None:
         print(json.dumps(asdict(result)) if args.json else format_result(result))

@@ -21,10 +21,8 @@ from paratrain.config import TrainConfig
 from paratrain.dist import comm
 from paratrain.dist.runtime import Runtime
 from paratrain.engine.evaluate import logits_of
-from paratrain.engine.precision import Precision
-from paratrain.engine.precision import resolve as resolve_precision
 from paratrain.engine.recipe import build_optimizer
-from paratrain.models.registry import create_model
+from paratrain.engine.trainer import build_model, build_precision
 from paratrain.parallel import parallelize
 
 PHASES = ("data", "forward", "backward", "optimizer")
@@ -65,11 +63,10 @@ def _peak_memory_mb(device: torch.device) -> float:
 def run_bench(cfg: TrainConfig, rt: Runtime, steps: int, warmup: int) -> BenchResult | None:
     """Time ``steps`` training steps after ``warmup``; every rank takes part, rank 0 gets
     the result (the slowest rank's medians), the others None."""
-    torch.manual_seed(cfg.seed)
     classes = 10
-    parts = parallelize(create_model(cfg.model, classes, cfg.image_size), cfg, rt)
+    parts = parallelize(build_model(cfg, classes), cfg, rt)
     optimizer = build_optimizer(parts, cfg, rt.world_size)
-    precision = Precision(resolve_precision(cfg.precision, rt.device), rt.device)
+    precision = build_precision(cfg, rt)
     pool = [
         (
             torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size, device=rt.device).to(

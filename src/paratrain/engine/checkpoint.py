@@ -55,6 +55,12 @@ def load(path: str | Path) -> dict[str, Any]:
     return state
 
 
+def run_dir_of(path: str | Path) -> Path | None:
+    """The run directory of a checkpoint saved by training (<run>/checkpoints/x.pt)."""
+    path = Path(path)
+    return path.parent.parent if path.parent.name == "checkpoints" else None
+
+
 def find_resumable(output_dir: Path, name: str | None) -> Path | None:
     """``--resume auto``: last.pt of the named run, else of the newest run that has one."""
     if name:

@@ -20,11 +20,12 @@ FORMATS = ("pt2", "safetensors")
 
 def default_output(checkpoint_path: str, fmt: str, ema: bool) -> Path:
     """<run>/export/model[-ema].<fmt> for a checkpoint of a run, else beside the file."""
-    path = Path(checkpoint_path)
-    stem = "model" + ("-ema" if ema else "")
-    if path.parent.name == "checkpoints":
-        return path.parent.parent / "export" / f"{stem}.{fmt}"
-    return path.with_name(f"{path.stem}{'-ema' if ema else ''}.{fmt}")
+    from paratrain.engine.checkpoint import run_dir_of
+
+    path, run, suffix = Path(checkpoint_path), run_dir_of(checkpoint_path), "-ema" if ema else ""
+    if run is not None:
+        return run / "export" / f"model{suffix}.{fmt}"
+    return path.with_name(f"{path.stem}{suffix}.{fmt}")
 
 
 def export(

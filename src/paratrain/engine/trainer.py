@@ -124,12 +124,17 @@ def make_loaders(cfg: TrainConfig, split: DataSplit, rt: Runtime):
 
 
 def build_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
-    """Same seed on every rank, so every rank builds identical initial weights."""
+    """Same seed on every rank, so every rank builds identical initial weights. A bad name
+    or weights file fails on every rank alike; rank 0 alone reports it."""
     torch.manual_seed(cfg.seed)
-    model = create_model(cfg.model, num_classes, cfg.image_size)
-    if cfg.weights:
-        report = load_weights(model, read_state_dict(cfg.weights), cfg.weights_strict, cfg.weights)
-        get_logger().info(report.summary(cfg.weights))
+    try:
+        model = create_model(cfg.model, num_classes, cfg.image_size)
+        if cfg.weights:
+            weights = read_state_dict(cfg.weights)
+            report = load_weights(model, weights, cfg.weights_strict, cfg.weights)
+            get_logger().info(report.summary(cfg.weights))
+    except UserError as exc:
+        raise AgreedUserError(str(exc)) from None
     if cfg.freeze_backbone:
         head, trained, total = freeze_backbone(model, cfg.model)
         get_logger().info(
@@ -313,17 +318,13 @@ def fit(cfg: TrainConfig, rt: Runtime) -> dict:
     split = screen(split, cfg.bad_images, rt.rank, rt.world_size, loader_workers(cfg, rt), run_dir)
     metrics = MetricsWriter(run_dir)
 
-    try:
-        model = build_model(cfg, len(split.classes))
-    except UserError as exc:  # same config on every rank: the same error on every rank
-        raise AgreedUserError(str(exc)) from None
-    parts = parallelize(model, cfg, rt)
+    parts = parallelize(build_model(cfg, len(split.classes)), cfg, rt)
     optimizer = build_optimizer(parts, cfg, rt.world_size)
     recipe = Recipe(
         criterion=build_criterion(cfg),
         mixer=build_mixer(cfg, len(split.classes)),
         ema=EMA(parts, cfg.ema_decay) if cfg.ema_decay else None,
-        precision=_precision(cfg, rt),
+        precision=build_precision(cfg, rt),
         grad_accum=cfg.grad_accum,
         clip_grad=cfg.clip_grad,
     )
@@ -401,7 +402,7 @@ def fit(cfg: TrainConfig, rt: Runtime) -> dict:
     return _summarise(cfg, run_dir, metrics, rt, time.perf_counter() - started, progress)
 
 
-def _precision(cfg: TrainConfig, rt: Runtime) -> Precision:
+def build_precision(cfg: TrainConfig, rt: Runtime) -> Precision:
     try:
         return Precision(resolve_precision(cfg.precision, rt.device), rt.device)
     except UserError as exc:  # the same device type on every rank: the same answer
@@ -487,8 +488,8 @@ def _resolve_run(cfg: TrainConfig) -> tuple[Path, Path | None]:
             raise UserError(f"--resume: checkpoint not found: {resume_from}")
     if cfg.name:
         name = cfg.name
-    elif resume_from is not None and resume_from.parent.name == "checkpoints":
-        name = resume_from.parent.parent.name
+    elif resume_from is not None and checkpoint.run_dir_of(resume_from) is not None:
+        name = checkpoint.run_dir_of(resume_from).name
     else:
         name = time.strftime("%Y%m%d-%H%M%S")
     run_dir = output / name
