@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 from paratrain.config import TrainConfig
@@ -242,8 +244,18 @@ def _evaluate_worker(
         return report
 
 
-def bench(config: TrainConfig, steps: int = 20, warmup: int = 5, argv: Sequence[str] | None = None):
-    """`paratrain bench`: step speed on synthetic data; the result on rank 0, else None."""
+def bench(
+    config: TrainConfig,
+    steps: int = 20,
+    warmup: int = 5,
+    argv: Sequence[str] | None = None,
+    sweep_bytes: int = 0,
+    result_file: str | None = None,
+):
+    """`paratrain bench`: step speed on synthetic data; the result on rank 0, else None.
+
+    ``sweep_bytes`` adds all-reduce timings up to that message size, and ``result_file``
+    receives both as JSON (how `paratrain scale` collects its launched runs)."""
     if steps < 1 or warmup < 0:
         raise UserError(f"--steps must be at least 1 and --warmup 0 or more, got {steps}, {warmup}")
     config.validate()
@@ -256,11 +268,43 @@ def bench(config: TrainConfig, steps: int = 20, warmup: int = 5, argv: Sequence[
         if code:
             raise SystemExit(code)
         return None
+    from paratrain.bench.collectives import sweep_all_reduce
+    from paratrain.bench.step import run_bench
     from paratrain.dist.runtime import distributed
-    from paratrain.engine.bench import run_bench
 
     with distributed(env, config.device, config.backend, config.timeout) as rt:
-        return run_bench(config, rt, steps, warmup)
+        result = run_bench(config, rt, steps, warmup)
+        sweep = sweep_all_reduce(sweep_bytes) if sweep_bytes and rt.world_size > 1 else None
+    if result_file and result is not None:
+        Path(result_file).write_text(json.dumps({"bench": asdict(result), "all_reduce": sweep}))
+    return result
+
+
+def scale(config: TrainConfig, options, out: str | Path, calibrate: str | Path | None = None,
+          say=print) -> dict:
+    """`paratrain scale`: measured and predicted scaling; writes the report under ``out``
+    and returns it. With ``calibrate`` (a CSV of n,seconds) nothing is measured here."""
+    from paratrain.bench import costmodel
+    from paratrain.bench import scale as scaling
+    from paratrain.report.scaling import format_calibration, format_measured, write_report
+
+    if calibrate is not None:
+        points = scaling.read_epoch_times(Path(calibrate))
+        report = scaling.calibration_report(costmodel.calibrate(points), options.max_n)
+        text = format_calibration(report, str(calibrate))
+    else:
+        config.validate()
+        _check_device_options(config)
+        if detect(os.environ).source != "single":
+            raise UserError("`paratrain scale` starts its own processes; run it outside "
+                            "torchrun and srun")
+        profile, rows, samples = scaling.measure(config, options, say=say)
+        report = scaling.report(config, options, profile, rows, samples)
+        text = format_measured(report)
+    paths = write_report(report, Path(out))
+    say(text)
+    say("wrote " + ", ".join(str(p) for p in paths))
+    return report
 
 
 def check(

@@ -294,6 +294,44 @@ def _add_speed_flags(speed, training: bool = True) -> None:
     )
 
 
+def _add_scale_flags(sc: argparse.ArgumentParser) -> None:
+    from paratrain.bench.costmodel import PRESETS
+
+    sc.add_argument("--model", default=S, help="(default resnet18)")
+    sc.add_argument("--image-size", type=_positive_int, default=S, help="(default 224)")
+    sc.add_argument("--batch-size", type=_positive_int, default=S, help="per process (default 16)")
+    sc.add_argument("--device", default=S)
+    _add_speed_flags(sc, training=False)
+    sc.add_argument(
+        "--nproc-max", type=_positive_int, default=None,
+        help="measure 1..N processes (default: the number of cores or CUDA devices)",
+    )  # fmt: skip
+    link = sc.add_mutually_exclusive_group()
+    link.add_argument(
+        "--link", choices=list(PRESETS), default=None,
+        help="predict on this link (default: the one fitted here); between nodes when "
+        "--gpus-per-node is given: " + "; ".join(v.describe() for v in PRESETS.values()),
+    )  # fmt: skip
+    link.add_argument("--bandwidth", type=float, default=None, help="GB/s, with --latency")
+    sc.add_argument("--latency", type=float, default=None, help="microseconds, with --bandwidth")
+    sc.add_argument(
+        "--gpus-per-node", type=_positive_int, default=None,
+        help="hierarchical all-reduce: this many devices per node on --intra-link",
+    )  # fmt: skip
+    sc.add_argument("--intra-link", choices=list(PRESETS), default="nvlink4",
+                    help="the link inside a node (default nvlink4)")
+    sc.add_argument("--epoch-images", type=_positive_int, default=10_000,
+                    help="images per epoch for the epoch times (default 10000)")
+    sc.add_argument("--max-n", type=_positive_int, default=1024, help="predict up to this N")
+    sc.add_argument("--steps", type=_positive_int, default=10, help="timed steps (median)")
+    sc.add_argument("--warmup", type=_positive_int, default=3)
+    sc.add_argument("--max-message-mb", type=float, default=256.0,
+                    help="largest all-reduce message timed (default 256)")
+    sc.add_argument("--calibrate", default=None, metavar="CSV",
+                    help="fit your own epoch times (lines n,seconds) instead of measuring")
+    sc.add_argument("--out", default="scaling", help="report folder (default ./scaling)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="paratrain", description="Train image classifiers in parallel with PyTorch."
@@ -342,6 +380,19 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--steps", type=_positive_int, default=20, help="timed steps (median)")
     b.add_argument("--warmup", type=_positive_int, default=5)
     b.add_argument("--json", action="store_true", help="print the result as JSON")
+    # used by `paratrain scale` for the runs it launches
+    b.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
+    b.add_argument("--sweep-bytes", type=_positive_int, default=0, help=argparse.SUPPRESS)
+    _add_scale_flags(
+        sub.add_parser(
+            "scale",
+            help="scaling report: measure 1..N processes, fit the link, predict larger clusters",
+            description="Weak scaling measured at 1..N processes (images/s, speedup, "
+            "efficiency), all-reduce latency and bandwidth fitted, and a ring all-reduce cost "
+            "model that predicts N = 1 to 1024 on a link preset or given values. With "
+            "--calibrate, your own epoch times are fitted instead and nothing is measured.",
+        )
+    )
     _add_slurm_flags(
         sub.add_parser(
             "slurm",
@@ -489,6 +540,8 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
         return _runs(args)
     if args.command == "bench":
         return _bench(args, argv)
+    if args.command == "scale":
+        return _scale(args)
     if args.command == "check":
         from paratrain.api import check
 
@@ -587,14 +640,48 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
     from dataclasses import asdict
 
     from paratrain.api import bench
+    from paratrain.bench.step import format_result
     from paratrain.config import TrainConfig
-    from paratrain.engine.bench import format_result
 
-    values = {
-        k: v for k, v in vars(args).items() if k not in ("command", "steps", "warmup", "json")
-    }
+    values = {k: v for k, v in vars(args).items()
+              if k not in ("command", "steps", "warmup", "json", "result_file", "sweep_bytes")}
     config = TrainConfig.from_dict(values, source="arguments")
-    result = bench(config, args.steps, args.warmup, argv)
-    if result is not None:
+    result = bench(config, args.steps, args.warmup, argv, args.sweep_bytes, args.result_file)
+    if result is not None and not args.result_file:
         print(json.dumps(asdict(result)) if args.json else format_result(result))
+    return 0
+
+
+def _scale(args: argparse.Namespace) -> int:
+    from paratrain.api import scale
+    from paratrain.bench.costmodel import PRESETS, Link
+    from paratrain.bench.scale import ScaleOptions
+    from paratrain.config import TrainConfig
+
+    if (args.bandwidth is None) != (args.latency is None):
+        raise UserError("--bandwidth and --latency go together (GB/s and microseconds)")
+    if args.bandwidth is not None and not (args.bandwidth > 0 and args.latency >= 0):
+        raise UserError(f"--bandwidth must be positive and --latency 0 or more, got "
+                        f"{args.bandwidth} and {args.latency}")
+    link = PRESETS[args.link] if args.link else None
+    if args.bandwidth is not None:
+        link = Link("given", args.bandwidth, args.latency)
+    nproc_max = args.nproc_max
+    if nproc_max is None:
+        import torch
+
+        from paratrain.bench.scale import available_cores
+
+        nproc_max = torch.cuda.device_count() or available_cores()
+    options = ScaleOptions(
+        nproc_max=nproc_max, steps=args.steps, warmup=args.warmup,
+        largest_message=max(4096, int(args.max_message_mb * 2**20)), link=link,
+        gpus_per_node=args.gpus_per_node, intra_link=PRESETS[args.intra_link],
+        epoch_images=args.epoch_images, max_n=args.max_n,
+    )  # fmt: skip
+    skip = ("command", "nproc_max", "link", "bandwidth", "latency", "gpus_per_node", "intra_link",
+            "epoch_images", "max_n", "steps", "warmup", "max_message_mb", "calibrate", "out")
+    config = TrainConfig.from_dict({k: v for k, v in vars(args).items() if k not in skip},
+                                   source="arguments")
+    scale(config, options, args.out, args.calibrate)
     return 0

@@ -52,7 +52,7 @@ def _bench(rank, world_size):
     from paratrain.config import TrainConfig
     from paratrain.dist.env import detect
     from paratrain.dist.runtime import Runtime
-    from paratrain.engine.bench import run_bench
+    from paratrain.bench.step import run_bench
 
     runtime = Runtime(env=detect(os.environ), device=torch.device("cpu"), backend="gloo")
     config = TrainConfig(image_size=16, batch_size=4, precision="32")

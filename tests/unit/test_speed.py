@@ -107,7 +107,7 @@ def test_bench_json_has_every_field(capsys):
     import json
 
     from paratrain.cli import main
-    from paratrain.engine.bench import BenchResult
+    from paratrain.bench.step import BenchResult
 
     argv = ["bench", "--image-size", "16", "--batch-size", "4", "--steps", "3", "--warmup", "1"]
     assert main([*argv, "--precision", "32", "--json"]) == 0

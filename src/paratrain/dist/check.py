@@ -9,7 +9,7 @@ all_gather must return every rank's id in order.
 from __future__ import annotations
 
 import socket
-import time
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -113,20 +113,12 @@ def _sync_bn(rt: Runtime) -> Row:
 
 
 def _bandwidth(rt: Runtime, size_mb: int) -> Row:
-    numel = size_mb * 2**20 // 4
-    buffer = torch.ones(numel, dtype=torch.float32, device=comm.comm_device())
-    for _ in range(2):
-        dist.all_reduce(buffer)
-    comm.barrier()
-    repeats = 5 if size_mb <= 16 else 3
-    start = time.perf_counter()
-    for _ in range(repeats):
-        dist.all_reduce(buffer)
-    if buffer.is_cuda:
-        torch.cuda.synchronize()
-    seconds = (time.perf_counter() - start) / repeats
+    from paratrain.bench.collectives import time_all_reduce
+
+    nbytes = size_mb * 2**20
+    seconds = statistics.median(time_all_reduce(nbytes, repeats=5 if size_mb <= 16 else 3))
     n = rt.world_size
-    algorithm = size_mb * 2**20 / seconds / 1e9
+    algorithm = nbytes / seconds / 1e9
     bus = algorithm * 2 * (n - 1) / n  # what each link carries in a ring all-reduce
     return Row(f"all_reduce {size_mb} MB", True,
                f"{seconds * 1e3:.2f} ms, algorithm {algorithm:.2f} GB/s, bus {bus:.2f} GB/s")

@@ -77,7 +77,9 @@ def distributed(
     dev = choose_device(env, device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    if "OMP_NUM_THREADS" not in os.environ or env.source == "torchrun":
+    if os.environ.get("PARATRAIN_THREADS"):  # set by `paratrain scale` for its runs
+        torch.set_num_threads(int(os.environ["PARATRAIN_THREADS"]))
+    elif "OMP_NUM_THREADS" not in os.environ or env.source == "torchrun":
         torch.set_num_threads(threads_per_process(env.local_world_size))
     if not env.distributed:
         yield Runtime(env=env, device=dev, backend=None)

@@ -17,13 +17,15 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from paratrain.bench.costmodel import StepProfile
 from paratrain.config import TrainConfig
 from paratrain.dist import comm
 from paratrain.dist.runtime import Runtime
 from paratrain.engine.evaluate import logits_of
+from paratrain.engine.precision import Precision
 from paratrain.engine.recipe import build_optimizer
 from paratrain.engine.trainer import build_model, build_precision
-from paratrain.parallel import parallelize
+from paratrain.parallel import ModelParts, parallelize
 
 PHASES = ("data", "forward", "backward", "optimizer")
 
@@ -60,13 +62,18 @@ def _peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def run_bench(cfg: TrainConfig, rt: Runtime, steps: int, warmup: int) -> BenchResult | None:
-    """Time ``steps`` training steps after ``warmup``; every rank takes part, rank 0 gets
-    the result (the slowest rank's medians), the others None."""
-    classes = 10
+@dataclass
+class _Setup:
+    parts: ModelParts
+    optimizer: torch.optim.Optimizer
+    precision: Precision
+    pool: list[tuple[torch.Tensor, torch.Tensor]]
+    criterion: nn.Module
+    device: torch.device
+
+
+def _prepare(cfg: TrainConfig, rt: Runtime, classes: int = 10) -> _Setup:
     parts = parallelize(build_model(cfg, classes), cfg, rt)
-    optimizer = build_optimizer(parts, cfg, rt.world_size)
-    precision = build_precision(cfg, rt)
     pool = [
         (
             torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size, device=rt.device).to(
@@ -76,39 +83,48 @@ def run_bench(cfg: TrainConfig, rt: Runtime, steps: int, warmup: int) -> BenchRe
         )
         for _ in range(2)
     ]
-    criterion = nn.CrossEntropyLoss()
     parts.train()
+    return _Setup(parts, build_optimizer(parts, cfg, rt.world_size), build_precision(cfg, rt),
+                  pool, nn.CrossEntropyLoss(), rt.device)
 
-    def step(index: int, synced: bool) -> dict[str, float]:
-        times = {}
-        mark = time.perf_counter()
 
-        def lap(name: str) -> None:
-            nonlocal mark
-            _sync(rt.device)
-            now = time.perf_counter()
-            times[name] = now - mark
-            mark = now
+def _timed_step(setup: _Setup, index: int, synced: bool = True) -> tuple[dict[str, float], float]:
+    """One training step; seconds per phase, and the clock when backward started."""
+    times = {}
+    mark = time.perf_counter()
 
-        images, labels = pool[index % len(pool)]
-        lap("data")
-        with precision.autocast():
-            loss = criterion(logits_of(parts(images)), labels)
-        lap("forward")
-        with parts.no_sync() if not synced else contextlib.nullcontext():
-            precision.backward(loss)
-        lap("backward")
-        precision.step(optimizer)
-        optimizer.zero_grad(set_to_none=True)
-        lap("optimizer")
-        return times
+    def lap(name: str) -> None:
+        nonlocal mark
+        _sync(setup.device)
+        now = time.perf_counter()
+        times[name] = now - mark
+        mark = now
 
+    images, labels = setup.pool[index % len(setup.pool)]
+    lap("data")
+    with setup.precision.autocast():
+        loss = setup.criterion(logits_of(setup.parts(images)), labels)
+    lap("forward")
+    backward_start = mark
+    with setup.parts.no_sync() if not synced else contextlib.nullcontext():
+        setup.precision.backward(loss)
+    lap("backward")
+    setup.precision.step(setup.optimizer)
+    setup.optimizer.zero_grad(set_to_none=True)
+    lap("optimizer")
+    return times, backward_start
+
+
+def run_bench(cfg: TrainConfig, rt: Runtime, steps: int, warmup: int) -> BenchResult | None:
+    """Time ``steps`` training steps after ``warmup``; every rank takes part, rank 0 gets
+    the result (the slowest rank's medians), the others None."""
+    setup = _prepare(cfg, rt)
     for i in range(warmup):
-        step(i, synced=True)
+        _timed_step(setup, i)
     comm.barrier()
-    synced = [step(i, synced=True) for i in range(steps)]
+    synced = [_timed_step(setup, i)[0] for i in range(steps)]
     comm.barrier()
-    local = [step(i, synced=False) for i in range(steps)] if rt.world_size > 1 else synced
+    local = [_timed_step(setup, i, synced=False)[0] for i in range(steps)] if rt.world_size > 1 else synced
     medians = {name: statistics.median(t[name] for t in synced) for name in PHASES}
     total = statistics.median(sum(t.values()) for t in synced)
     no_sync_total = statistics.median(sum(t.values()) for t in local)
@@ -123,7 +139,7 @@ def run_bench(cfg: TrainConfig, rt: Runtime, steps: int, warmup: int) -> BenchRe
         image_size=cfg.image_size,
         batch_size=cfg.batch_size,
         world_size=rt.world_size,
-        precision=precision.mode,
+        precision=setup.precision.mode,
         device=rt.device.type,
         steps=steps,
         step_ms=1000 * slowest["step"],
@@ -136,6 +152,52 @@ def run_bench(cfg: TrainConfig, rt: Runtime, steps: int, warmup: int) -> BenchRe
         images_per_s_per_process=per_process,
         images_per_s=per_process * rt.world_size,
         peak_memory_mb=slowest["mem"],
+    )
+
+
+def profile_step(cfg: TrainConfig, rt: Runtime, steps: int, warmup: int) -> StepProfile:
+    """The step of one process without communication, and when each gradient is ready:
+    what the cost model needs to place DDP's buckets inside backward (medians of
+    ``steps`` steps)."""
+    setup = _prepare(cfg, rt)
+    params = [p for p in setup.parts.parameters() if p.requires_grad]
+    ready: dict[int, list[float]] = {i: [] for i in range(len(params))}
+
+    def recorder(index: int):
+        def hook(_param: torch.Tensor) -> None:
+            _sync(setup.device)
+            ready[index].append(time.perf_counter())
+
+        return hook
+
+    for i in range(warmup):
+        _timed_step(setup, i, synced=False)
+    laps = [_timed_step(setup, i, synced=False)[0] for i in range(steps)]
+    median = {name: statistics.median(t[name] for t in laps) for name in PHASES}
+    # then the ready times, on a clock stretched to the unhooked backward (on CUDA the
+    # hooks synchronise, which slows backward down)
+    handles = [p.register_post_accumulate_grad_hook(recorder(i)) for i, p in enumerate(params)]
+    hooked = []
+    for i in range(steps):
+        times, backward_start = _timed_step(setup, i, synced=False)
+        hooked.append(times["backward"])
+        for seen in ready.values():
+            if len(seen) == i + 1:
+                seen[-1] -= backward_start
+    for handle in handles:
+        handle.remove()
+    stretch = median["backward"] / statistics.median(hooked)
+    element = 2 if cfg.grad_compression in ("fp16", "bf16") else 4
+    gradients = sorted(
+        (stretch * statistics.median(ready[i]), params[i].numel() * element)
+        for i in ready
+        if ready[i]
+    )
+    return StepProfile(
+        before_backward_s=median["data"] + median["forward"],
+        backward_s=median["backward"],
+        after_backward_s=median["optimizer"],
+        gradients=gradients,
     )
 
 

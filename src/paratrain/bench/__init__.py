@@ -1,0 +1,1 @@
+"""Speed: the training step on synthetic data, scaling runs and the communication cost model."""
