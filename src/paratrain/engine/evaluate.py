@@ -39,6 +39,23 @@ def logits_of(output) -> torch.Tensor:
     return output.logits if hasattr(output, "logits") else output
 
 
+def _full_batch_logits(model: nn.Module, images: torch.Tensor, batch_size: int | None) -> torch.Tensor:
+    """A short last batch is padded to the loader's batch size (repeating its last image)
+    and the padding dropped: math libraries pick kernels by batch size, and a kernel
+    chosen for 13 images may round a sample differently from the one chosen for 16, so
+    without this a sample's loss would depend on how the shards happened to end."""
+    n = images.shape[0]
+    if batch_size is None or n >= batch_size:
+        return logits_of(model(images)).float()
+    padded = torch.cat([images, images[-1:].expand(batch_size - n, *images.shape[1:])])
+    return logits_of(model(padded.contiguous(memory_format=_format_of(images))))[:n].float()
+
+
+def _format_of(images: torch.Tensor) -> torch.memory_format:
+    channels_last = images.dim() == 4 and images.is_contiguous(memory_format=torch.channels_last)
+    return torch.channels_last if channels_last else torch.contiguous_format
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
@@ -61,7 +78,7 @@ def evaluate(
     for images, labels in loader:
         images = images.to(device, non_blocking=True, memory_format=fmt)
         labels = labels.to(device, non_blocking=True)
-        logits = logits_of(model(images)).float()
+        logits = _full_batch_logits(model, images, loader.batch_size)
         losses.append(nn.functional.cross_entropy(logits, labels, reduction="none").double().cpu())
         top = logits.topk(k or 1, dim=1).indices
         hits = top.eq(labels[:, None])
