@@ -68,3 +68,33 @@ def test_bench_on_two_ranks_reports_totals_and_communication():
     assert first.world_size == 2
     assert first.images_per_s == pytest.approx(2 * first.images_per_s_per_process)
     assert first.no_sync_step_ms > 0 and first.communication_ms >= 0
+
+
+def _ddp_settings(rank, world_size, grad_accum):
+    from torch import nn
+
+    from paratrain.config import TrainConfig
+    from paratrain.dist.env import detect
+    from paratrain.dist.runtime import Runtime
+    from paratrain.parallel import parallelize
+
+    runtime = Runtime(env=detect(os.environ), device=torch.device("cpu"), backend="gloo")
+    config = TrainConfig(grad_accum=grad_accum, bucket_cap_mb=2.0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
+    (ddp,) = parallelize(model, config, runtime)
+    losses = []
+    for step in range(3):  # a static graph traces the first step and reuses it after
+        torch.manual_seed(step * 10 + rank)
+        loss = ddp(torch.randn(2, 3, 8, 8)).square().mean()
+        loss.backward()
+        losses.append(model[0].weight.grad.clone())
+        model.zero_grad(set_to_none=True)
+    return ddp.static_graph, ddp.gradient_as_bucket_view, ddp.bucket_bytes_cap, losses
+
+
+def test_ddp_is_tuned_and_static_unless_accumulating():
+    for grad_accum, static in ((1, True), (2, False)):
+        first, second = run_distributed(_ddp_settings, 2, grad_accum)
+        assert first[:3] == (static, True, 2 * 2**20)
+        for a, b in zip(first[3], second[3], strict=True):
+            assert torch.equal(a, b)  # gradients averaged on every step, static or not

@@ -73,7 +73,8 @@ class _Setup:
 
 
 def _prepare(cfg: TrainConfig, rt: Runtime, classes: int = 10) -> _Setup:
-    parts = parallelize(build_model(cfg, classes), cfg, rt)
+    # no_sync steps split out the communication, so no static graph (see parallel/ddp.py)
+    parts = parallelize(build_model(cfg, classes), cfg, rt, uses_no_sync=True)
     pool = [
         (
             torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size, device=rt.device).to(

@@ -105,19 +105,23 @@ def unwrap(module: nn.Module) -> nn.Module:
             return module
 
 
-def parallelize(model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> ModelParts:
+def parallelize(
+    model: nn.Module, cfg: TrainConfig, runtime: Runtime, uses_no_sync: bool | None = None
+) -> ModelParts:
+    """``uses_no_sync``: whether the caller will run steps under ``ModelParts.no_sync``
+    (default: when accumulating gradients); DDP's static graph is used only when not."""
     if cfg.strategy == "dp":
         from paratrain.parallel import dp
 
         return dp.apply(model, runtime)
     fmt = memory_format_for(model, cfg.memory_format, runtime.device)
     model = model.to(runtime.device, memory_format=fmt)
-    parts = _wrap(model, cfg, runtime)
+    parts = _wrap(model, cfg, runtime, cfg.grad_accum > 1 if uses_no_sync is None else uses_no_sync)
     parts.memory_format = fmt
     return parts
 
 
-def _wrap(model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> ModelParts:
+def _wrap(model: nn.Module, cfg: TrainConfig, runtime: Runtime, uses_no_sync: bool) -> ModelParts:
     from paratrain.parallel import ddp
 
     if cfg.sync_bn and runtime.world_size > 1:
@@ -125,5 +129,5 @@ def _wrap(model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> ModelParts:
 
         model = sync_batchnorm.apply(model, runtime)
     if runtime.world_size > 1:
-        return ddp.apply(model, cfg, runtime)
+        return ddp.apply(model, cfg, runtime, static_graph=not uses_no_sync)
     return ModelParts([model])

@@ -18,7 +18,12 @@ POWERSGD_NEEDS_NCCL = (
 )
 
 
-def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime):
+def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime, static_graph: bool = True):
+    """``static_graph``: every torchvision classifier uses the same parameters every step
+    (auxiliary heads are switched off), so DDP may trace its graph once and skip the
+    per-step search for unused parameters. Not with ``no_sync`` (gradient accumulation,
+    bench's communication split): torch 2.14.1 fails an internal assert
+    (``expect_autograd_hooks_``, reducer.cpp) on the first backward, measured here."""
     from paratrain.parallel import ModelParts
 
     device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
@@ -28,6 +33,7 @@ def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime):
         # DDP's buckets become the .grad tensors: one copy of the gradients, not two.
         gradient_as_bucket_view=True,
         bucket_cap_mb=cfg.bucket_cap_mb,
+        static_graph=static_graph,
     )
     register_compression(wrapped, cfg.grad_compression)
     return ModelParts([wrapped])
