@@ -292,6 +292,13 @@ def _add_speed_flags(speed, training: bool = True) -> None:
         default=S,
         help="auto (default): channels_last for convolutional models",
     )
+    speed.add_argument(
+        "--compile",
+        action="store_true",
+        default=S,
+        help="torch.compile the model (around DDP, so its graphs split at the gradient "
+        "buckets); the first steps compile",
+    )
 
 
 def _add_scale_flags(sc: argparse.ArgumentParser) -> None:

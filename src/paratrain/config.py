@@ -61,6 +61,7 @@ class TrainConfig:
     grad_compression: str = "none"
     bucket_cap_mb: float = 25.0
     memory_format: str = "auto"
+    compile: bool = False
     # parallelism
     nproc: int = 1
     strategy: str = "ddp"

@@ -6,10 +6,10 @@ import os
 
 import pytest
 import torch
-from spawn import run_distributed
 
 from paratrain.dist.env import detect
 from paratrain.dist.runtime import Runtime
+from spawn import run_distributed
 
 pytestmark = pytest.mark.slow
 

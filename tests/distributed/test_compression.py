@@ -3,6 +3,7 @@ compressed average stays close to the exact one."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -52,10 +53,10 @@ def test_compressed_average_is_close_to_the_exact_one():
 
 
 def _bench(rank, world_size):
+    from paratrain.bench.step import run_bench
     from paratrain.config import TrainConfig
     from paratrain.dist.env import detect
     from paratrain.dist.runtime import Runtime
-    from paratrain.bench.step import run_bench
 
     runtime = Runtime(env=detect(os.environ), device=torch.device("cpu"), backend="gloo")
     config = TrainConfig(image_size=16, batch_size=4, precision="32")
@@ -98,3 +99,42 @@ def test_ddp_is_tuned_and_static_unless_accumulating():
         assert first[:3] == (static, True, 2 * 2**20)
         for a, b in zip(first[3], second[3], strict=True):
             assert torch.equal(a, b)  # gradients averaged on every step, static or not
+
+
+def _compiled_steps(rank, world_size, compiled, grad_accum):
+    from torch import nn
+
+    from paratrain.config import TrainConfig
+    from paratrain.dist.env import detect
+    from paratrain.dist.runtime import Runtime
+    from paratrain.parallel import parallelize
+
+    runtime = Runtime(env=detect(os.environ), device=torch.device("cpu"), backend="gloo")
+    config = TrainConfig(compile=compiled, grad_accum=grad_accum)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3))  # fmt: skip
+    parts = parallelize(model, config, runtime)
+    grads = []
+    for step in range(2):
+        for micro in range(grad_accum):
+            torch.manual_seed(100 * step + 10 * micro + rank)
+            with parts.no_sync() if micro < grad_accum - 1 else contextlib.nullcontext():
+                parts(torch.randn(4, 3, 12, 12)).square().mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        model.zero_grad(set_to_none=True)
+    return grads, sorted(parts.state_dict()), type(parts[0]).__name__
+
+
+def test_compiled_ddp_gives_eager_gradients_with_and_without_accumulation():
+    for grad_accum in (1, 2):
+        eager = run_distributed(_compiled_steps, 2, False, grad_accum)
+        compiled = run_distributed(_compiled_steps, 2, True, grad_accum)
+        assert compiled[0][2] == "OptimizedModule" and eager[0][2] == "DistributedDataParallel"
+        assert compiled[0][1] == eager[0][1]  # unified state dict keys, no _orig_mod.
+        for rank in (0, 1):
+            for got, want in zip(compiled[rank][0], eager[rank][0], strict=True):
+                for g, w in zip(got, want, strict=True):
+                    torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+        for g0, g1 in zip(compiled[0][0][-1], compiled[1][0][-1], strict=True):
+            assert torch.equal(g0, g1)  # averaged: every rank holds the same gradient

@@ -7,7 +7,6 @@ import os
 
 import pytest
 import torch
-from spawn import in_single_process, run_distributed
 from torch.utils.data import DataLoader
 
 from imagefolders import make_image_folder
@@ -19,6 +18,7 @@ from paratrain.dist.env import detect
 from paratrain.dist.runtime import Runtime
 from paratrain.engine.evaluate import evaluate
 from paratrain.models.registry import create_model
+from spawn import in_single_process, run_distributed
 
 pytestmark = pytest.mark.slow
 

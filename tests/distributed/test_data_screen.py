@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from spawn import run_distributed
 
 from imagefolders import make_image_folder
 from paratrain.data.cache import prepare
 from paratrain.data.folder import build_split
 from paratrain.data.scan import find_bad_images
+from spawn import run_distributed
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,6 @@ import os
 
 import pytest
 import torch
-from spawn import in_single_process, run_distributed
 from torch import nn
 
 from paratrain.config import TrainConfig
@@ -15,6 +14,7 @@ from paratrain.dist.runtime import Runtime
 from paratrain.engine.evaluate import logits_of
 from paratrain.engine.trainer import build_model, build_optimizer
 from paratrain.parallel import parallelize
+from spawn import in_single_process, run_distributed
 
 pytestmark = pytest.mark.slow
 GLOBAL_BATCH = 16

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spawn import run_distributed
 from torch import nn
 
 from paratrain.parallel.sync_batchnorm import SyncBatchNorm
+from spawn import run_distributed
 
 pytestmark = pytest.mark.slow
 

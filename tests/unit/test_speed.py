@@ -106,8 +106,8 @@ def test_bench_json_has_every_field(capsys):
     import dataclasses
     import json
 
-    from paratrain.cli import main
     from paratrain.bench.step import BenchResult
+    from paratrain.cli import main
 
     argv = ["bench", "--image-size", "16", "--batch-size", "4", "--steps", "3", "--warmup", "1"]
     assert main([*argv, "--precision", "32", "--json"]) == 0

@@ -343,6 +343,7 @@ def fit(cfg: TrainConfig, rt: Runtime) -> dict:
         _announce(cfg, split, run_dir, rt, workers, optimizer.param_groups[0]["lr"], cached)
         log.info(
             f"precision {recipe.precision.mode}" + (" (auto)" if cfg.precision == "auto" else "")
+            + (", torch.compile (the first steps compile)" if cfg.compile else "")
         )
     recipe.board = Board(run_dir, cfg.tensorboard and rt.is_main, rt.world_size)
     started = time.perf_counter()

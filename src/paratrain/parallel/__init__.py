@@ -70,8 +70,9 @@ class ModelParts(list):
         """Gradients stay local (DDP's no_sync) until the step that leaves this context."""
         stack = contextlib.ExitStack()
         for part in self:
-            if isinstance(part, nn.parallel.DistributedDataParallel):
-                stack.enter_context(part.no_sync())
+            ddp = getattr(part, "_orig_mod", part)  # under torch.compile
+            if isinstance(ddp, nn.parallel.DistributedDataParallel):
+                stack.enter_context(ddp.no_sync())
         return stack
 
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -117,8 +118,28 @@ def parallelize(
     fmt = memory_format_for(model, cfg.memory_format, runtime.device)
     model = model.to(runtime.device, memory_format=fmt)
     parts = _wrap(model, cfg, runtime, cfg.grad_accum > 1 if uses_no_sync is None else uses_no_sync)
+    if cfg.compile:
+        # compiled around DDP (not inside it): dynamo's DDPOptimizer then splits the
+        # graph at DDP's bucket boundaries, so gradient all-reduce still overlaps backward
+        _quiet_expected_compile_notices()
+        parts = ModelParts([torch.compile(part) for part in parts])
     parts.memory_format = fmt
     return parts
+
+
+def _quiet_expected_compile_notices() -> None:
+    """DDP's forward broadcasts buffers and records a profiler range outside the graph;
+    dynamo says so on every rank at every compile, which tells a user nothing to do."""
+    import logging
+    import warnings
+
+    class NotThese(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not str(record.msg).startswith(("Profiler record function", "No CUDA runtime"))
+
+    warnings.filterwarnings("ignore", message=r"Dynamo does not know how to trace the builtin")
+    for name in ("torch._dynamo.variables.ctx_manager", "torch.utils.cpp_extension"):
+        logging.getLogger(name).addFilter(NotThese())
 
 
 def _wrap(model: nn.Module, cfg: TrainConfig, runtime: Runtime, uses_no_sync: bool) -> ModelParts:
