@@ -43,6 +43,7 @@ def test_scale_measures_two_processes_fits_the_link_and_predicts(tmp_path, capsy
     (at2,) = [c for c in report["comparison"] if c["n"] == 2]
     assert at2["predicted_ms"] == pytest.approx(at2["compute_ms"] + at2["exposed_ms"], rel=1e-6)
     assert at2["communication_ms"] > 0
+    assert at2["from_one_process_ms"] < at2["predicted_ms"] + 1e-6  # no sharing: no slower
     assert f"{at2['error_pct']:+.1f}%" in text
 
     predicted = report["predicted"]

@@ -182,8 +182,12 @@ def report(
             if r.series == SAME_THREADS:
                 p = costmodel.predict(profile.scaled(r.compute_ms / alone), [r.n], here,
                                       cfg.batch_size, cfg.bucket_cap_mb)[0]
+                pure = costmodel.predict(profile, [r.n], here, cfg.batch_size, cfg.bucket_cap_mb)[0]
                 comparison.append({"n": r.n, "measured_ms": r.step_ms, "compute_ms": r.compute_ms,
                                    "predicted_ms": 1000 * p.step_s,
+                                   "from_one_process_ms": 1000 * pure.step_s,
+                                   "from_one_process_error_pct":
+                                       100 * (1000 * pure.step_s - r.step_ms) / r.step_ms,
                                    "communication_ms": 1000 * p.communication_s,
                                    "exposed_ms": 1000 * p.exposed_s,
                                    "error_pct": 100 * (1000 * p.step_s - r.step_ms) / r.step_ms})

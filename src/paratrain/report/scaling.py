@@ -51,11 +51,15 @@ def format_measured(report: dict) -> str:
                      "compute, its no_sync step, + the modelled all-reduce on the link fitted here):")
         lines += _table(
             ["N", "measured ms", "compute ms", "all-reduce ms", "exposed ms", "predicted ms",
-             "error"],
+             "error", "from 1 process alone"],
             [[c["n"], f"{c['measured_ms']:.1f}", f"{c['compute_ms']:.1f}",
               f"{c['communication_ms']:.1f}", f"{c['exposed_ms']:.1f}",
-              f"{c['predicted_ms']:.1f}", f"{c['error_pct']:+.1f}%"] for c in report["comparison"]],
+              f"{c['predicted_ms']:.1f}", f"{c['error_pct']:+.1f}%",
+              f"{c['from_one_process_ms']:.1f} ({c['from_one_process_error_pct']:+.1f}%)"]
+             for c in report["comparison"]],
         )  # fmt: skip
+        lines.append("  (from 1 process alone: one process's compute, as a device would keep it; "
+                     "the gap is what processes sharing these cores cost each other)")
     lines.append(f"predicted, {report['network']} (each device computing as one process "
                  "alone here):")
     lines += _table(
