@@ -78,7 +78,7 @@ def main() -> None:
         cache = prepare(everything, args.image_size, "on", 100.0, str(root / "cache"), workers=0)
         build = time.perf_counter() - start
         decode_set = ImageSamples(split.train, train_transform(args.image_size))
-        cache_set = CachedImages(split.train, cache, 0, cached_train_transform(args.image_size))
+        cache_set = CachedImages(split.train, cache, cached_train_transform(args.image_size))
         rates = {"decode": [], "cache": []}
         for _ in range(args.rounds):
             rates["decode"].append(images_per_second(decode_set, args.measure, 32))

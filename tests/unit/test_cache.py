@@ -35,7 +35,7 @@ def test_eval_tensors_are_identical_to_the_decode_path(tmp_path):
     everything = split.train + split.val
     cache = prepare(everything, 32, "on", 1.0, str(tmp_path / "cache"), workers=0)
     assert cache is not None and (cache.directory / "COMPLETE").exists()
-    cached = CachedImages(everything, cache, 0, cached_eval_transform(32))
+    cached = CachedImages(everything, cache, cached_eval_transform(32))
     decoded = ImageSamples(everything, eval_transform(32))
     for i in range(len(everything)):
         assert torch.equal(cached[i][0], decoded[i][0]), everything[i][0]
@@ -45,7 +45,7 @@ def test_eval_tensors_are_identical_to_the_decode_path(tmp_path):
 def test_train_transform_on_cached_uint8(tmp_path):
     split = build_split(_varied_folder(tmp_path / "d"))
     cache = prepare(split.train, 24, "on", 1.0, str(tmp_path / "cache"), workers=0)
-    dataset = CachedImages(split.train, cache, 0, cached_train_transform(24, 0.3, 0.5))
+    dataset = CachedImages(split.train, cache, cached_train_transform(24, 0.3, 0.5))
     image, _ = dataset[(0, 123)]
     again, _ = dataset[(0, 123)]
     other, _ = dataset[(0, 124)]
@@ -83,3 +83,37 @@ def test_crop_boxes_stay_inside_and_follow_scale_and_ratio():
             if (height, width) in [(40, 60), (60, 40)]:  # the loop succeeds on such shapes
                 assert 0.25 * 0.8 <= h * w / (height * width) <= 1.0
                 assert math.log(3 / 4) - 0.2 <= math.log(w / h) <= math.log(4 / 3) + 0.2
+
+
+def test_building_the_cache_is_the_screen_and_a_ready_cache_needs_none(tmp_path, monkeypatch):
+    from paratrain.data import cache as cache_module
+    from paratrain.data.scan import screen
+
+    data = make_image_folder(tmp_path / "d", classes=2, per_class=8, size=(40, 30))
+    files = sorted(data.rglob("*.jpg"))
+    files[3].write_bytes(files[3].read_bytes()[:120])  # truncated
+    files[9].write_bytes(b"")  # empty
+    split = build_split(data, val_fraction=0.25)
+    samples = split.train + split.val
+    decoded = []
+    real = cache_module.read_rgb
+    monkeypatch.setattr(cache_module, "read_rgb", lambda p: decoded.append(p) or real(p))
+
+    built = prepare(samples, 24, "on", 1.0, str(tmp_path / "c"), workers=0)
+    assert sorted(p for p, _ in built.bad) == sorted([str(files[3]), str(files[9])])
+    assert dict(built.bad)[str(files[9])] == "empty file"
+    assert len(decoded) == len(samples)  # each image decoded once, bad ones included
+
+    def no_scan(*args, **kwargs):
+        raise AssertionError("a separate decoding pass ran")
+
+    monkeypatch.setattr("paratrain.data.scan.find_bad_images", no_scan)
+    kept = screen(split, "skip", 0, 1, 0, tmp_path, found=built.bad)
+    assert len(kept.train) + len(kept.val) == len(samples) - 2
+    images = CachedImages(kept.train, built, cached_eval_transform(24))
+    for i, (path, _) in enumerate(kept.train):  # each read from its own slot
+        assert torch.equal(images[i][0], cached_eval_transform(24)(built.image(built.slots[path])))
+
+    decoded.clear()
+    again = prepare(samples, 24, "on", 1.0, str(tmp_path / "c"), workers=0)
+    assert decoded == [] and again.bad == built.bad  # ready: read, not decoded again

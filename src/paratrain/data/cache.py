@@ -29,11 +29,11 @@ from torchvision.transforms.v2 import functional as F2  # uint8 fast path for re
 from tqdm import tqdm
 
 from paratrain.data.builtin import default_cache_dir
-from paratrain.data.folder import ImageSamples, Sample, load_rgb, seeded
+from paratrain.data.folder import IMAGE_ERRORS, ImageSamples, Sample, read_rgb, seeded
 from paratrain.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_resize
 from paratrain.dist import comm
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: every listed file has a slot; bad.json lists the unreadable
 _ROTATED = {5, 6, 7, 8}  # EXIF orientations that swap width and height
 
 
@@ -62,16 +62,26 @@ class _Decode(Dataset):
     def __len__(self) -> int:
         return len(self.ids)
 
-    def __getitem__(self, k: int) -> tuple[int, torch.Tensor]:
+    def __getitem__(self, k: int) -> tuple[int, torch.Tensor | None, str | None]:
         i = self.ids[k]
-        return i, torch.from_numpy(np.array(self.resize(load_rgb(self.paths[i])), dtype=np.uint8))
+        image, problem = read_rgb(self.paths[i])
+        if image is None:
+            return i, None, problem
+        return i, torch.from_numpy(np.array(self.resize(image), dtype=np.uint8)), None
 
 
 class DecodedCache:
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, paths: Sequence[str] = ()):
         self.directory = directory
         self.index = np.load(directory / "index.npy")  # rows: offset, height, width
+        self.slots = {path: i for i, path in enumerate(paths)}  # where each file is stored
         self._data: np.memmap | None = None  # opened lazily, once per loader process
+
+    @property
+    def bad(self) -> list[tuple[str, str]]:
+        """(path, reason) of every file the build could not decode (not stored)."""
+        found = self.directory / "bad.json"
+        return [tuple(pair) for pair in json.loads(found.read_text())] if found.exists() else []
 
     @property
     def nbytes(self) -> int:
@@ -97,7 +107,10 @@ def prepare(
     root: str | None,
     workers: int,
 ) -> DecodedCache | None:
-    """Open or build (all ranks together) the cache of ``samples``; None when it is off."""
+    """Open or build (all ranks together) the cache of ``samples``; None when it is off.
+
+    Building decodes every image, so it is also the screen for unreadable files: they
+    are listed in ``cache.bad`` (kept with the cache, so a ready cache needs no screen)."""
     if mode == "off":
         return None
     short = eval_resize(image_size)
@@ -111,7 +124,15 @@ def prepare(
         return None
     if action == "build":
         _build(samples, short, Path(directory), workers)
-    return DecodedCache(Path(directory))
+    return DecodedCache(Path(directory), [p for p, _ in samples])
+
+
+def _stored_shape_or_none(path: str, short: int) -> tuple[int, int]:
+    """A file whose header cannot be read gets no room; the build reports why."""
+    try:
+        return stored_shape(path, short)
+    except IMAGE_ERRORS:
+        return (0, 0)
 
 
 def _plan(samples, short: int, mode: str, max_gb: float, base: Path) -> tuple[str, str, str]:
@@ -120,7 +141,7 @@ def _plan(samples, short: int, mode: str, max_gb: float, base: Path) -> tuple[st
         return "ready", str(directory), ""
     shapes = np.array(
         [
-            stored_shape(p, short)
+            _stored_shape_or_none(p, short)
             for p, _ in tqdm(
                 samples,
                 desc="sizing image cache",
@@ -155,6 +176,7 @@ def _build(samples, short: int, directory: Path, workers: int) -> None:
     paths = [p for p, _ in samples]
     mine = list(range(rank, len(paths), world))
     loader = DataLoader(_Decode(paths, mine, short), batch_size=None, num_workers=workers)
+    bad = []
     with tqdm(
         total=len(paths),
         desc="building image cache",
@@ -163,34 +185,36 @@ def _build(samples, short: int, directory: Path, workers: int) -> None:
         disable=rank != 0 or not sys.stderr.isatty(),
         leave=False,
     ) as bar:
-        for i, pixels in loader:
-            offset = int(index[i][0])
-            flat = pixels.numpy().reshape(-1)
-            data[offset : offset + flat.size] = flat
+        for i, pixels, problem in loader:
+            offset, height, width = (int(v) for v in index[i])
+            if pixels is not None and pixels.numel() != height * width * 3:
+                problem = "changed while the cache was built"
+            if problem:
+                bad.append((paths[i], problem))
+            else:
+                data[offset : offset + pixels.numel()] = pixels.numpy().reshape(-1)
             bar.update(world)
     data.flush()
     del data
-    comm.barrier()
+    bad = sorted(pair for part in comm.all_gather_object(bad) for pair in part)
     if rank == 0:
+        (directory / "bad.json").write_text(json.dumps(bad) + "\n")
         (directory / "COMPLETE").write_text(json.dumps({"images": len(paths)}) + "\n")
     comm.barrier()
 
 
 class CachedImages(ImageSamples):
-    """ImageSamples read from the cache: ``samples[i]`` is stored at ``first + i``."""
+    """ImageSamples read from the cache, each from the slot its file was stored in."""
 
     def __init__(
-        self,
-        samples: Sequence[Sample],
-        cache: DecodedCache,
-        first: int,
-        transform: Callable | None = None,
+        self, samples: Sequence[Sample], cache: DecodedCache, transform: Callable | None = None
     ):
         super().__init__(samples, transform)
-        self.cache, self.first = cache, first
+        self.cache = cache
+        self.slots = [cache.slots[path] for path, _ in samples]
 
     def load(self, index: int) -> torch.Tensor:
-        return self.cache.image(self.first + index)
+        return self.cache.image(self.slots[index])
 
     def __getitems__(self, keys: list) -> tuple[torch.Tensor, torch.Tensor]:
         """A whole batch at once (the DataLoader asks for it so): a transform that can

@@ -150,14 +150,31 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
-def load_rgb(path: str) -> Image.Image:
-    """Open an image as upright 3-channel RGB; an unreadable file is a UserError."""
+IMAGE_ERRORS = (UnidentifiedImageError, OSError, ValueError, SyntaxError)
+
+
+def _problem(exc: BaseException) -> str:
+    return str(exc).split("\n")[0] or type(exc).__name__
+
+
+def read_rgb(path: str) -> tuple[Image.Image | None, str | None]:
+    """The image, upright 3-channel RGB, or None and why it cannot be used."""
     try:
+        if os.path.getsize(path) == 0:
+            return None, "empty file"
         with Image.open(path) as image:
             image.load()
-            return to_rgb(image)
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
-        raise UserError(f"cannot read image {path}: {exc}") from None
+            return to_rgb(image), None
+    except IMAGE_ERRORS as exc:
+        return None, _problem(exc)
+
+
+def load_rgb(path: str) -> Image.Image:
+    """Open an image as upright 3-channel RGB; an unreadable file is a UserError."""
+    image, problem = read_rgb(path)
+    if image is None:
+        raise UserError(f"cannot read image {path}: {problem}")
+    return image
 
 
 def image_problem(path: str) -> str | None:
@@ -168,8 +185,8 @@ def image_problem(path: str) -> str | None:
         with Image.open(path) as image:
             image.load()
         return None
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
-        return str(exc).split("\n")[0] or type(exc).__name__
+    except IMAGE_ERRORS as exc:
+        return _problem(exc)
 
 
 @contextmanager

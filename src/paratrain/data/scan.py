@@ -58,14 +58,23 @@ def find_bad_images(paths: list[str], rank: int, world: int, workers: int, show:
 
 
 def screen(
-    split: DataSplit, policy: str, rank: int, world: int, workers: int, run_dir: Path | None
+    split: DataSplit,
+    policy: str,
+    rank: int,
+    world: int,
+    workers: int,
+    run_dir: Path | None,
+    found: list[tuple[str, str]] | None = None,
 ) -> DataSplit:
-    """Apply ``--bad-images error|skip`` to a split; report ignored non-image files."""
+    """Apply ``--bad-images error|skip`` to a split; report ignored non-image files.
+    ``found``: the unreadable files when already known (the cache build decoded them)."""
     log = get_logger()
     if split.ignored:
         log.info(f"ignored {split.ignored} file(s) without an image extension in {split.root}")
-    paths = [p for p, _ in split.train] + [p for p, _ in split.val]
-    bad = find_bad_images(paths, rank, world, workers, show=rank == 0)
+    if found is None:
+        paths = [p for p, _ in split.train] + [p for p, _ in split.val]
+        found = find_bad_images(paths, rank, world, workers, show=rank == 0)
+    bad = found
     if not bad:
         return split
     listing = "; ".join(f"{path} ({why})" for path, why in bad)

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from paratrain.config import TrainConfig
 from paratrain.data.cache import (
     CachedImages,
+    DecodedCache,
     batched,
     cached_eval_transform,
     cached_train_transform,
@@ -88,7 +89,19 @@ def loader_workers(cfg: TrainConfig, rt: Runtime) -> int:
     return cfg.workers if cfg.workers is not None else default_workers(rt.env.local_world_size)
 
 
-def make_loaders(cfg: TrainConfig, split: DataSplit, rt: Runtime):
+def prepare_data(cfg: TrainConfig, split: DataSplit, rt: Runtime, run_dir: Path | None):
+    """The decoded-image cache (built by all ranks, or None) and the split screened for
+    unreadable images. Building the cache decodes every image, so it is the screen too;
+    without a cache every image is decoded once just to check it."""
+    workers = loader_workers(cfg, rt)
+    cache = prepare(
+        split.train + split.val, cfg.image_size, cfg.cache, cfg.cache_max_gb, cfg.cache_dir, workers
+    )
+    found = cache.bad if cache is not None else None
+    return cache, screen(split, cfg.bad_images, rt.rank, rt.world_size, workers, run_dir, found)
+
+
+def make_loaders(cfg: TrainConfig, split: DataSplit, rt: Runtime, cache: DecodedCache | None):
     workers = loader_workers(cfg, rt)
     common = dict(
         batch_size=cfg.batch_size,
@@ -96,19 +109,13 @@ def make_loaders(cfg: TrainConfig, split: DataSplit, rt: Runtime):
         pin_memory=rt.device.type == "cuda",
         persistent_workers=workers > 0,
     )
-    cache = prepare(
-        split.train + split.val, cfg.image_size, cfg.cache, cfg.cache_max_gb, cfg.cache_dir, workers
-    )
     if cache is not None:
         train_set = CachedImages(
             split.train,
             cache,
-            0,
             cached_train_transform(cfg.image_size, cfg.crop_scale_min, cfg.hflip),
         )
-        val_set = CachedImages(
-            split.val, cache, len(split.train), cached_eval_transform(cfg.image_size)
-        )
+        val_set = CachedImages(split.val, cache, cached_eval_transform(cfg.image_size))
     else:
         train_set = ImageSamples(
             split.train, train_transform(cfg.image_size, cfg.crop_scale_min, cfg.hflip)
@@ -315,7 +322,7 @@ def fit(cfg: TrainConfig, rt: Runtime) -> dict:
         torch.backends.cudnn.benchmark = False
     split = build_split(cfg.data, cfg.val_fraction, cfg.split_seed)
     run_dir, resume_from = comm.broadcast_object(_resolve_run(cfg) if rt.is_main else None)
-    split = screen(split, cfg.bad_images, rt.rank, rt.world_size, loader_workers(cfg, rt), run_dir)
+    cache, split = prepare_data(cfg, split, rt, run_dir)
     metrics = MetricsWriter(run_dir)
 
     parts = parallelize(build_model(cfg, len(split.classes)), cfg, rt)
@@ -333,7 +340,7 @@ def fit(cfg: TrainConfig, rt: Runtime) -> dict:
     progress = Progress()
     if resume_from is not None:
         progress = _resume(resume_from, cfg, rt, parts, optimizer, scheduler, recipe)
-    train_loader, val_loader, workers, cached = make_loaders(cfg, split, rt)
+    train_loader, val_loader, workers, cached = make_loaders(cfg, split, rt, cache)
     saver = Checkpointer(cfg, run_dir, rt, parts, optimizer, scheduler, split.classes, recipe)
     guard = PreemptionGuard(cfg.preempt_grace).install()
     control = StepControl(cfg, rt, saver, guard)
