@@ -206,10 +206,11 @@ class Checkpointer:
         checkpoint.save_atomic(state, self.dir / checkpoint.LAST)
         if val_top1 is None:
             return
+        last = self.dir / checkpoint.LAST
         if val_top1 >= progress.best_top1:
-            checkpoint.save_atomic(state, self.dir / checkpoint.BEST)
+            checkpoint.copy_atomic(state, last, self.dir / checkpoint.BEST)
         if self.cfg.keep:
-            checkpoint.save_atomic(state, self.dir / f"epoch-{progress.epoch:04d}.pt")
+            checkpoint.copy_atomic(state, last, self.dir / f"epoch-{progress.epoch:04d}.pt")
             checkpoint.prune_epochs(self.dir, self.cfg.keep)
 
 
