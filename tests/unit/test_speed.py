@@ -148,3 +148,23 @@ def test_channels_last_trains_and_keeps_the_format(image_folder, tmp_path):
     assert math.isfinite(summary["final"]["train_loss"])
     state = checkpoint.load(tmp_path / "cl/checkpoints/last.pt")
     assert state["model"]["conv1.weight"].is_contiguous(memory_format=torch.channels_last)
+
+
+def test_bf16_on_cpu_keeps_small_batchnorm_statistics_in_fp32():
+    from torch import nn
+
+    from paratrain.engine.precision import FP32_NORM_BELOW, Precision
+
+    seen = []
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
+    precision = Precision("bf16-mixed", torch.device("cpu"))
+    precision.prepare([model])
+    model[1].register_forward_pre_hook(lambda m, a: seen.append(a[0].dtype))  # sees ours
+    side = int((FP32_NORM_BELOW // 2) ** 0.5)  # 2 x side x side values per channel: below
+    with precision.autocast():
+        small = model(torch.randn(2, 3, side, side))
+        large = model(torch.randn(2, 3, 2 * side, 2 * side))
+    assert seen == [torch.float32, torch.bfloat16]  # the conv's bf16 output, cast when small
+    assert small.dtype == torch.float32 and large.dtype == torch.bfloat16
+    Precision("32", torch.device("cpu")).prepare([model])  # fp32 training: nothing added
+    assert len(model[1]._forward_pre_hooks) == 2

@@ -85,8 +85,10 @@ def _prepare(cfg: TrainConfig, rt: Runtime, classes: int = 10) -> _Setup:
         for _ in range(2)
     ]
     parts.train()
-    return _Setup(parts, build_optimizer(parts, cfg, rt.world_size), build_precision(cfg, rt),
-                  pool, nn.CrossEntropyLoss(), rt.device)
+    precision = build_precision(cfg, rt)
+    precision.prepare(parts)
+    return _Setup(parts, build_optimizer(parts, cfg, rt.world_size), precision, pool,
+                  nn.CrossEntropyLoss(), rt.device)
 
 
 def _timed_step(setup: _Setup, index: int, synced: bool = True) -> tuple[dict[str, float], float]:

@@ -61,6 +61,7 @@ __all__ = ["build_model", "build_optimizer", "fit"]
 
 class NonFiniteLoss(UserError):
     exit_code = 3
+    agreed = True  # every rank raises it on the same step; rank 0 tells it
 
 
 @dataclass
@@ -336,6 +337,7 @@ def fit(cfg: TrainConfig, rt: Runtime) -> dict:
         grad_accum=cfg.grad_accum,
         clip_grad=cfg.clip_grad,
     )
+    recipe.precision.prepare(parts)
     scheduler = build_scheduler(optimizer, cfg.epochs, cfg.lrf, cfg.warmup_epochs)
     seed_everything(cfg.seed + 1000 * rt.rank)  # model randomness (dropout) differs per rank
     progress = Progress()

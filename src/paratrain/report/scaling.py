@@ -146,9 +146,11 @@ def _plot(rows: list[dict], key: str, label: str, path: Path, ideal: bool) -> No
     ax.plot(ns, [r[key] for r in predicted], "-", label="predicted")
     if ideal:
         ax.plot(ns, ns, ":", color="gray", label="linear (ideal)")
-    for source in dict.fromkeys(r["source"] for r in rows if r["source"] != "predicted"):
+    sources = dict.fromkeys(r["source"] for r in rows if r["source"] != "predicted")
+    for source, (marker, size) in zip(sources, [("o", 7), ("s", 11), ("^", 11)], strict=False):
         points = [r for r in rows if r["source"] == source and r.get(key) is not None]
-        ax.plot([r["n"] for r in points], [r[key] for r in points], "o", label=source)
+        ax.plot([r["n"] for r in points], [r[key] for r in points], marker, markersize=size,
+                fillstyle="full" if marker == "o" else "none", label=source)  # both seen
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("processes (devices) N")
