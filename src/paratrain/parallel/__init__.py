@@ -6,7 +6,9 @@ The order is fixed, and each step depends on the one before:
 2. SyncBatchNorm conversion: it replaces BatchNorm modules, so it must happen before
    DDP registers its hooks on the parameters (DDP would not see the new modules);
 3. the data-parallel wrapper (DDP), which broadcasts rank 0's weights and buffers so
-   every rank starts from identical values.
+   every rank starts from identical values;
+4. torch.compile (--compile), around DDP rather than inside it, so that dynamo sees the
+   buckets and splits its graph at them.
 """
 
 from __future__ import annotations
