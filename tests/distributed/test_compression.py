@@ -16,14 +16,11 @@ from spawn import fit_on_rank, run_distributed
 
 @pytest.mark.parametrize("kind", ["fp16", "bf16"])
 def test_compressed_gradients_train_to_a_finite_loss(tmp_path, kind):
-    # 24 training images: 3 micro-batches of 4 per rank, none of a single image.
-    # fp32 compute on every CPU: under bf16 autocast this 16 px ResNet's BatchNorm at 1x1
-    # gives gradients near 2.5e4, and a sum of two overflows fp16 (a property of fp16,
-    # not of the hook; --precision auto picks bf16 on CPUs with AMX).
+    # 24 training images: 3 micro-batches of 4 per rank, none of a single image
     data = make_image_folder(tmp_path / "data", classes=3, per_class=10)
     values = dict(data=str(data), output_dir=str(tmp_path / "runs"), image_size=16,
                   batch_size=4, workers=0, epochs=1, cache="off", grad_compression=kind,
-                  grad_accum=2, name=kind, precision="32")  # fmt: skip
+                  grad_accum=2, name=kind)  # fmt: skip
     summary = run_distributed(fit_on_rank, 2, values)[0]
     assert summary["world_size"] == 2
     assert math.isfinite(summary["final"]["train_loss"]) and summary["final"]["val_count"] == 6

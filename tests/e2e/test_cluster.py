@@ -21,7 +21,7 @@ from paratrain.cli import main
 pytestmark = pytest.mark.slow
 
 TRAIN = ["--image-size", "16", "--batch-size", "4", "--workers", "0", "--epochs", "1"]
-TRAIN += ["--deterministic", "--cache", "off", "--precision", "32"]  # fp32 on every CPU
+TRAIN += ["--deterministic", "--cache", "off"]
 
 # Stand-ins for the SLURM commands the script calls: sbatch runs the script at once with
 # the job's variables set; srun starts one task per node, here all on this machine.
@@ -98,8 +98,7 @@ def test_slurm_script_runs_two_agents_that_equal_a_four_process_run(tmp_path, ca
     from spawn import fit_on_rank, run_distributed
 
     config = {"data": str(data), "output_dir": str(tmp_path / "runs"), "name": "single"}
-    config.update(image_size=16, batch_size=4, workers=0, epochs=1, deterministic=True,
-                  precision="32")
+    config.update(image_size=16, batch_size=4, workers=0, epochs=1, deterministic=True)
     run_distributed(fit_on_rank, 4, {**config, "cache": "off"})
     two_nodes = torch.load(run_dir / "checkpoints/last.pt", weights_only=False)
     one_node = torch.load(tmp_path / "runs/single/checkpoints/last.pt", weights_only=False)

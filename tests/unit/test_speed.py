@@ -150,21 +150,25 @@ def test_channels_last_trains_and_keeps_the_format(image_folder, tmp_path):
     assert state["model"]["conv1.weight"].is_contiguous(memory_format=torch.channels_last)
 
 
-def test_bf16_on_cpu_keeps_small_batchnorm_statistics_in_fp32():
+def test_bf16_on_cpu_runs_convolutions_smaller_than_their_kernel_in_fp32():
     from torch import nn
 
-    from paratrain.engine.precision import FP32_NORM_BELOW, Precision
+    from paratrain.engine.precision import Precision
 
-    seen = []
-    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
+    torch.manual_seed(0)
     precision = Precision("bf16-mixed", torch.device("cpu"))
-    precision.prepare([model])
-    model[1].register_forward_pre_hook(lambda m, a: seen.append(a[0].dtype))  # sees ours
-    side = int((FP32_NORM_BELOW // 2) ** 0.5)  # 2 x side x side values per channel: below
-    with precision.autocast():
-        small = model(torch.randn(2, 3, side, side))
-        large = model(torch.randn(2, 3, 2 * side, 2 * side))
-    assert seen == [torch.float32, torch.bfloat16]  # the conv's bf16 output, cast when small
-    assert small.dtype == torch.float32 and large.dtype == torch.bfloat16
-    Precision("32", torch.device("cpu")).prepare([model])  # fp32 training: nothing added
-    assert len(model[1]._forward_pre_hooks) == 2
+    taps = torch.ones(3, 3, dtype=torch.bool)
+    taps[1, 1] = False  # on a 1x1 input every other tap sees only padding
+    for _ in range(10):  # unguarded, about half of these gave garbage there (inf at worst)
+        conv = nn.Conv2d(256, 512, 3, stride=2, padding=1, bias=False)
+        precision.prepare([conv])
+        with precision.autocast():
+            tiny = conv(torch.randn(4, 256, 1, 1, requires_grad=True))
+            assert torch.is_autocast_enabled("cpu")  # given back after the module
+            large = conv(torch.randn(4, 256, 8, 8))
+        (tiny * torch.randn_like(tiny)).sum().backward()
+        assert tiny.dtype == torch.float32 and large.dtype == torch.bfloat16
+        assert torch.equal(conv.weight.grad[:, :, taps], torch.zeros(512, 256, 8))
+    plain = nn.Conv2d(3, 4, 3)
+    Precision("32", torch.device("cpu")).prepare([plain])  # fp32 training: nothing added
+    assert not plain._forward_pre_hooks

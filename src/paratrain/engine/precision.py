@@ -50,19 +50,18 @@ class Precision:
         self.scaler = torch.amp.GradScaler("cuda") if mode == "16-mixed" else None
 
     def prepare(self, parts: Iterable[torch.nn.Module]) -> None:
-        """On CPU, BatchNorm under autocast computes in its input's dtype, so in bf16 its
-        batch statistics carry 8 bits of mantissa: at 1x1 spatial size (16 px into a
-        ResNet) the variance of a few values collapses and training diverges (measured:
-        the default digits job hit a NaN loss in epoch 6). Normalization layers therefore
-        take fp32 input there, as mixed-precision recipes keep BatchNorm in fp32; the
-        convolutions around them still run in bf16. CUDA's batch norm computes its
-        statistics in fp32 from low-precision input already."""
+        """On CPU under bf16 autocast, a convolution whose input is smaller than its kernel
+        (1x1 maps reaching ResNet's layer4 at 16 px) gets a weight gradient with garbage,
+        even inf, at the taps that see only padding (torch 2.14.1, measured on an AMX
+        CPU: 14 of 30 tries; 0 with fp32). Such convolutions run in fp32 there; they are
+        the smallest in the model, so it costs nothing measurable. CUDA is left alone."""
         if self.dtype is None or self.device.type == "cuda":
             return
         for part in parts:
             for module in part.modules():
-                if isinstance(module, torch.nn.modules.batchnorm._NormBase):
-                    module.register_forward_pre_hook(_to_fp32)
+                if isinstance(module, torch.nn.modules.conv._ConvNd):
+                    module.register_forward_pre_hook(_fp32_when_smaller_than_kernel)
+                    module.register_forward_hook(_restore_autocast, always_call=True)
 
     def autocast(self):
         if self.dtype is None:
@@ -84,14 +83,18 @@ class Precision:
             self.scaler.update()
 
 
-# Below this many values per channel (batch x height x width), a bf16 batch's statistics
-# are too coarse; above it the fp32 casts would cost more (ResNet-18 at 128 px, all
-# BatchNorms in fp32: 16% slower forward+backward on this CPU) than they buy.
-FP32_NORM_BELOW = 4096
-
-
-def _to_fp32(_module: torch.nn.Module, args: tuple) -> tuple:
+def _fp32_when_smaller_than_kernel(module: torch.nn.Module, args: tuple):
     x = args[0]
-    if x.dtype in (torch.bfloat16, torch.float16) and x.numel() // x.shape[1] < FP32_NORM_BELOW:
-        return (x.float(), *args[1:])
-    return args
+    if not torch.is_autocast_enabled(x.device.type) or all(
+        size >= k for size, k in zip(x.shape[2:], module.kernel_size, strict=True)
+    ):
+        return None
+    module._paratrain_autocast = torch.autocast(x.device.type, enabled=False)
+    module._paratrain_autocast.__enter__()
+    return (x.float(), *args[1:])
+
+
+def _restore_autocast(module: torch.nn.Module, _args: tuple, _output) -> None:
+    context = module.__dict__.pop("_paratrain_autocast", None)
+    if context is not None:
+        context.__exit__(None, None, None)
