@@ -301,14 +301,21 @@ def _add_speed_flags(speed, training: bool = True) -> None:
     )
 
 
+def _add_step_flags(parser: argparse.ArgumentParser) -> None:
+    """What a training step is made of: `bench` and `scale` time it."""
+    parser.add_argument("--model", default=S, help="(default resnet18)")
+    parser.add_argument("--image-size", type=_positive_int, default=S, help="(default 224)")
+    parser.add_argument(
+        "--batch-size", type=_positive_int, default=S, help="per process (default 16)"
+    )
+    parser.add_argument("--device", default=S)
+    _add_speed_flags(parser, training=False)
+
+
 def _add_scale_flags(sc: argparse.ArgumentParser) -> None:
     from paratrain.bench.costmodel import PRESETS
 
-    sc.add_argument("--model", default=S, help="(default resnet18)")
-    sc.add_argument("--image-size", type=_positive_int, default=S, help="(default 224)")
-    sc.add_argument("--batch-size", type=_positive_int, default=S, help="per process (default 16)")
-    sc.add_argument("--device", default=S)
-    _add_speed_flags(sc, training=False)
+    _add_step_flags(sc)
     sc.add_argument(
         "--nproc-max", type=_positive_int, default=None,
         help="measure 1..N processes (default: the number of cores or CUDA devices)",
@@ -378,12 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser(
         "bench", help="training-step speed on synthetic data: images/s, time per phase"
     )
-    b.add_argument("--model", default=S, help="(default resnet18)")
-    b.add_argument("--image-size", type=_positive_int, default=S, help="(default 224)")
-    b.add_argument("--batch-size", type=_positive_int, default=S, help="per process (default 16)")
+    _add_step_flags(b)
     b.add_argument("--nproc", type=_positive_int, default=S, help="(default 1)")
-    b.add_argument("--device", default=S)
-    _add_speed_flags(b, training=False)
     b.add_argument("--steps", type=_positive_int, default=20, help="timed steps (median)")
     b.add_argument("--warmup", type=_positive_int, default=5)
     b.add_argument("--json", action="store_true", help="print the result as JSON")

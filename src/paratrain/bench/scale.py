@@ -76,14 +76,20 @@ def _environ(**values: str) -> Iterator[None]:
                 os.environ[key] = value
 
 
+# the TrainConfig fields that change what a training step costs: `paratrain bench`'s flags
+STEP_FIELDS = ("model", "image_size", "batch_size", "device", "precision", "memory_format",
+               "bucket_cap_mb", "grad_compression", "compile")
+
+
 def _bench_argv(cfg: TrainConfig, opts: ScaleOptions, result_file: Path, sweep: bool) -> list[str]:
-    argv = ["bench", "--model", cfg.model, "--image-size", str(cfg.image_size),
-            "--batch-size", str(cfg.batch_size), "--precision", cfg.precision,
-            "--memory-format", cfg.memory_format, "--bucket-cap-mb", str(cfg.bucket_cap_mb),
-            "--grad-compression", cfg.grad_compression, "--steps", str(opts.steps),
-            "--warmup", str(opts.warmup), "--result-file", str(result_file)]  # fmt: skip
-    if cfg.device:
-        argv += ["--device", cfg.device]
+    argv = ["bench", "--steps", str(opts.steps), "--warmup", str(opts.warmup),
+            "--result-file", str(result_file)]  # fmt: skip
+    for name in STEP_FIELDS:
+        value, flag = getattr(cfg, name), "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            argv += [flag] if value else []
+        elif value is not None:
+            argv += [flag, str(value)]
     if sweep:
         argv += ["--sweep-bytes", str(opts.largest_message)]
     return argv
@@ -126,8 +132,7 @@ def measure(cfg: TrainConfig, opts: ScaleOptions, say=print):
             if threads == same:
                 profile = profile.timed_as(result["data_ms"] + result["forward_ms"],
                                            result["backward_ms"], result["optimizer_ms"])
-            for series in [SAME_THREADS] * (threads == same) + [SAME_CORES] * (threads == cores):
-                rows.append(_row(result, threads, series))
+            rows += [_row(result, threads, series) for series in _series(threads, same, cores)]
     torch.set_num_threads(saved_threads)
     for n in range(2, opts.nproc_max + 1):
         per_process = max(1, cores // n)
@@ -135,8 +140,8 @@ def measure(cfg: TrainConfig, opts: ScaleOptions, say=print):
             say(f"measuring {n} processes x {threads} thread(s) ...")
             out = _launched(n, threads, cfg, opts, sweep=threads == same)
             samples += [tuple(s) for s in out.get("all_reduce") or []]
-            for series in [SAME_THREADS] * (threads == same) + [SAME_CORES] * (threads == per_process):
-                rows.append(_row(out["bench"], threads, series))
+            rows += [_row(out["bench"], threads, series)
+                     for series in _series(threads, same, per_process)]
     for series in (SAME_THREADS, SAME_CORES):
         base = next(r for r in rows if r.series == series and r.n == 1)
         for r in rows:
@@ -144,6 +149,11 @@ def measure(cfg: TrainConfig, opts: ScaleOptions, say=print):
                 r.speedup = r.images_per_s / base.images_per_s
                 r.efficiency = r.speedup / r.n
     return profile, rows, samples
+
+
+def _series(threads: int, same: int, sharing: int) -> list[str]:
+    """Which series a run with ``threads`` per process counts for (one run can serve both)."""
+    return [SAME_THREADS] * (threads == same) + [SAME_CORES] * (threads == sharing)
 
 
 def _row(result: dict, threads: int, series: str) -> Measured:

@@ -127,7 +127,7 @@ def prepare(
     return DecodedCache(Path(directory), [p for p, _ in samples])
 
 
-def _stored_shape_or_none(path: str, short: int) -> tuple[int, int]:
+def _stored_shape_or_empty(path: str, short: int) -> tuple[int, int]:
     """A file whose header cannot be read gets no room; the build reports why."""
     try:
         return stored_shape(path, short)
@@ -141,7 +141,7 @@ def _plan(samples, short: int, mode: str, max_gb: float, base: Path) -> tuple[st
         return "ready", str(directory), ""
     shapes = np.array(
         [
-            _stored_shape_or_none(p, short)
+            _stored_shape_or_empty(p, short)
             for p, _ in tqdm(
                 samples,
                 desc="sizing image cache",
