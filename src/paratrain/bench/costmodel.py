@@ -174,13 +174,6 @@ class StepProfile:
                            factor * self.after_backward_s,
                            [(factor * when, nbytes) for when, nbytes in self.gradients])
 
-    def timed_as(self, before_ms: float, backward_ms: float, after_ms: float) -> StepProfile:
-        """The same gradient order on another measurement's clock (ready times stretched
-        to its backward)."""
-        stretch = backward_ms / 1000 / self.backward_s if self.backward_s > 0 else 1.0
-        return StepProfile(before_ms / 1000, backward_ms / 1000, after_ms / 1000,
-                           [(stretch * when, nbytes) for when, nbytes in self.gradients])
-
 
 def ddp_buckets(
     gradients: Sequence[tuple[float, int]],

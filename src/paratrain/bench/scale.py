@@ -112,7 +112,7 @@ def measure(cfg: TrainConfig, opts: ScaleOptions, say=print):
     """Run every measurement; returns (profile, measured rows, all-reduce samples)."""
     import torch
 
-    from paratrain.bench.step import profile_step, run_bench
+    from paratrain.bench.step import gradient_order, run_bench
     from paratrain.dist.env import detect
     from paratrain.dist.runtime import distributed
 
@@ -124,14 +124,17 @@ def measure(cfg: TrainConfig, opts: ScaleOptions, say=print):
     with distributed(detect({}), cfg.device) as rt:
         torch.set_num_threads(same)
         say(f"profiling 1 process x {same} thread(s) ...")
-        profile = profile_step(cfg, rt, opts.steps, opts.warmup)  # also warms this process up
+        order = gradient_order(cfg, rt, opts.steps, opts.warmup)  # also warms this process up
         for threads in sorted({same, cores}):
             torch.set_num_threads(threads)
             say(f"measuring 1 process x {threads} thread(s) ...")
             result = asdict(run_bench(cfg, rt, opts.steps, opts.warmup))
             if threads == same:
-                profile = profile.timed_as(result["data_ms"] + result["forward_ms"],
-                                           result["backward_ms"], result["optimizer_ms"])
+                backward = result["backward_ms"] / 1000
+                profile = costmodel.StepProfile(
+                    (result["data_ms"] + result["forward_ms"]) / 1000, backward,
+                    result["optimizer_ms"] / 1000, [(f * backward, b) for f, b in order],
+                )  # fmt: skip
             rows += [_row(result, threads, series) for series in _series(threads, same, cores)]
     torch.set_num_threads(saved_threads)
     for n in range(2, opts.nproc_max + 1):

@@ -17,7 +17,6 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from paratrain.bench.costmodel import StepProfile
 from paratrain.config import TrainConfig
 from paratrain.dist import comm
 from paratrain.dist.runtime import Runtime
@@ -158,10 +157,10 @@ def run_bench(cfg: TrainConfig, rt: Runtime, steps: int, warmup: int) -> BenchRe
     )
 
 
-def profile_step(cfg: TrainConfig, rt: Runtime, steps: int, warmup: int) -> StepProfile:
-    """The step of one process without communication, and when each gradient is ready:
-    what the cost model needs to place DDP's buckets inside backward (medians of
-    ``steps`` steps)."""
+def gradient_order(cfg: TrainConfig, rt: Runtime, steps: int, warmup: int) -> list[tuple[float, int]]:
+    """When each gradient is ready, as a share of backward (median of ``steps`` steps),
+    and its bytes on the wire, in the order backward produces them: what the cost model
+    needs to place DDP's buckets inside backward."""
     setup = _prepare(cfg, rt)
     params = [p for p in setup.parts.parameters() if p.requires_grad]
     ready: dict[int, list[float]] = {i: [] for i in range(len(params))}
@@ -175,32 +174,17 @@ def profile_step(cfg: TrainConfig, rt: Runtime, steps: int, warmup: int) -> Step
 
     for i in range(warmup):
         _timed_step(setup, i, synced=False)
-    laps = [_timed_step(setup, i, synced=False)[0] for i in range(steps)]
-    median = {name: statistics.median(t[name] for t in laps) for name in PHASES}
-    # then the ready times, on a clock stretched to the unhooked backward (on CUDA the
-    # hooks synchronise, which slows backward down)
     handles = [p.register_post_accumulate_grad_hook(recorder(i)) for i, p in enumerate(params)]
-    hooked = []
     for i in range(steps):
         times, backward_start = _timed_step(setup, i, synced=False)
-        hooked.append(times["backward"])
         for seen in ready.values():
-            if len(seen) == i + 1:
-                seen[-1] -= backward_start
+            if len(seen) == i + 1:  # a share of this step's backward (hooks slow it alike)
+                seen[-1] = (seen[-1] - backward_start) / times["backward"]
     for handle in handles:
         handle.remove()
-    stretch = median["backward"] / statistics.median(hooked)
     element = 2 if cfg.grad_compression in ("fp16", "bf16") else 4
-    gradients = sorted(
-        (stretch * statistics.median(ready[i]), params[i].numel() * element)
-        for i in ready
-        if ready[i]
-    )
-    return StepProfile(
-        before_backward_s=median["data"] + median["forward"],
-        backward_s=median["backward"],
-        after_backward_s=median["optimizer"],
-        gradients=gradients,
+    return sorted(
+        (statistics.median(ready[i]), params[i].numel() * element) for i in ready if ready[i]
     )
 
 
