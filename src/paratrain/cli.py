@@ -169,10 +169,36 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     )
     par.add_argument(
         "--strategy",
-        choices=["ddp", "dp"],
+        choices=["ddp", "dp", "fsdp", "split", "pipeline"],
         default=S,
         help="ddp: DistributedDataParallel, one process per device (default); dp: legacy "
-        "DataParallel, one process over every visible GPU",
+        "DataParallel, one process over every visible GPU; fsdp: parameters, gradients and "
+        "optimizer state sharded across processes (FSDP2); split: the model's stages on "
+        "--devices in one process; pipeline: --stages processes per model, micro-batches "
+        "pipelined (world size = stages x replicas)",
+    )
+    par.add_argument(
+        "--devices",
+        default=S,
+        help="split: comma-separated devices, one stage each (cuda:0,cuda:1 or cpu,cpu)",
+    )
+    par.add_argument(
+        "--stages", type=_positive_int, default=S, help="pipeline: stages per model (default 2)"
+    )
+    par.add_argument(
+        "--microbatches",
+        type=_positive_int,
+        default=S,
+        help="pipeline: micro-batches per batch (default 4; must divide --batch-size)",
+    )
+    par.add_argument(
+        "--schedule", choices=["gpipe", "1f1b"], default=S, help="pipeline schedule (default 1f1b)"
+    )
+    par.add_argument(
+        "--split-points",
+        default=S,
+        help="split, pipeline: comma-separated units where stages 2.. begin (e.g. "
+        "layer3,layer4); default: balanced from measured time (see `paratrain plan`)",
     )
     par.add_argument(
         "--sync-bn",

@@ -65,6 +65,11 @@ class TrainConfig:
     # parallelism
     nproc: int = 1
     strategy: str = "ddp"
+    devices: str | None = None  # split: comma-separated devices, one stage each
+    stages: int = 2  # pipeline: stages (processes) per model replica
+    microbatches: int = 4  # pipeline: micro-batches each batch is cut into
+    schedule: str = "1f1b"  # pipeline: gpipe or 1f1b
+    split_points: str | None = None  # split, pipeline: units where stages 2.. begin
     sync_bn: bool = False
     backend: str | None = None
     device: str | None = None
@@ -122,8 +127,11 @@ class TrainConfig:
             raise UserError(f"--cache must be auto, on or off, got {self.cache!r}")
         if self.on_nonfinite not in ("abort", "skip"):
             raise UserError(f"--on-nonfinite must be 'abort' or 'skip', got {self.on_nonfinite!r}")
-        if self.strategy not in ("ddp", "dp"):
-            raise UserError(f"--strategy must be 'ddp' or 'dp', got {self.strategy!r}")
+        if self.strategy not in STRATEGIES:
+            raise UserError(
+                f"--strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}"
+            )
+        self._validate_partitioning()
         if self.strategy == "dp" and self.nproc > 1:
             raise UserError(
                 "--strategy dp drives every GPU from one process; leave out --nproc "
@@ -163,6 +171,37 @@ class TrainConfig:
             raise UserError(f"--timeout must be positive, got {self.timeout}")
         return self
 
+    def _validate_partitioning(self) -> None:
+        _at_least("--stages", self.stages, 2)
+        _at_least("--microbatches", self.microbatches, 1)
+        if self.schedule not in ("gpipe", "1f1b"):
+            raise UserError(f"--schedule must be gpipe or 1f1b, got {self.schedule!r}")
+        if self.strategy == "split" and self.nproc > 1:
+            raise UserError(
+                "--strategy split runs in one process over --devices; leave out --nproc "
+                "(--strategy pipeline runs stages in separate processes)"
+            )
+        if self.strategy == "pipeline" and self.batch_size % self.microbatches:
+            raise UserError(
+                f"--batch-size {self.batch_size} must divide into --microbatches "
+                f"{self.microbatches} equal micro-batches"
+            )
+        partitioned = self.strategy in ("split", "pipeline", "fsdp")
+        for flag, on in (
+            ("--ema-decay", self.ema_decay is not None),
+            ("--compile", self.compile),
+            ("--grad-compression", self.grad_compression != "none"),
+        ):
+            if partitioned and on:
+                raise UserError(f"{flag} works with --strategy ddp, not {self.strategy}")
+        if self.strategy in ("split", "pipeline") and self.sync_bn:
+            raise UserError(f"--sync-bn works with --strategy ddp or fsdp, not {self.strategy}")
+        if self.strategy in ("pipeline", "fsdp") and self.precision == "16-mixed":
+            raise UserError(
+                f"--precision 16-mixed (a GradScaler) is not supported with --strategy "
+                f"{self.strategy}; use bf16-mixed or 32"
+            )
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -192,6 +231,9 @@ class TrainConfig:
         if not isinstance(values, dict):
             raise UserError(f"{path}: expected a mapping of config keys")
         return cls.from_dict(values, source=str(path))
+
+
+STRATEGIES = ("ddp", "dp", "fsdp", "split", "pipeline")
 
 
 def _at_least(flag: str, value: int, low: int) -> None:

@@ -45,10 +45,13 @@ def _full_batch_logits(model: nn.Module, images: torch.Tensor, batch_size: int |
     chosen for 13 images may round a sample differently from the one chosen for 16, so
     without this a sample's loss would depend on how the shards happened to end."""
     n = images.shape[0]
-    if batch_size is None or n >= batch_size:
-        return logits_of(model(images)).float()
-    padded = torch.cat([images, images[-1:].expand(batch_size - n, *images.shape[1:])])
-    return logits_of(model(padded.contiguous(memory_format=_format_of(images))))[:n].float()
+    if batch_size is not None and n < batch_size:
+        padded = torch.cat([images, images[-1:].expand(batch_size - n, *images.shape[1:])])
+        images = padded.contiguous(memory_format=_format_of(images))
+    output = model(images)
+    if output is None:  # a pipeline stage before the last: the last one counts
+        return None
+    return logits_of(output)[:n].float()
 
 
 def _format_of(images: torch.Tensor) -> torch.memory_format:
@@ -75,10 +78,13 @@ def evaluate(
     confusion = torch.zeros(num_classes * num_classes, dtype=torch.int64)
     predicted: list[int] = []
     fmt = getattr(model, "memory_format", torch.preserve_format)
+    label_device = getattr(model, "output_device", None) or device
     for images, labels in loader:
         images = images.to(device, non_blocking=True, memory_format=fmt)
-        labels = labels.to(device, non_blocking=True)
+        labels = labels.to(label_device, non_blocking=True)
         logits = _full_batch_logits(model, images, loader.batch_size)
+        if logits is None:
+            continue
         losses.append(nn.functional.cross_entropy(logits, labels, reduction="none").double().cpu())
         top = logits.topk(k or 1, dim=1).indices
         hits = top.eq(labels[:, None])

@@ -36,7 +36,7 @@ from paratrain.data.transforms import eval_transform, train_transform
 from paratrain.dist import comm
 from paratrain.dist.runtime import Runtime, seed_everything, threads_per_process
 from paratrain.engine import checkpoint, faults
-from paratrain.engine.evaluate import evaluate, logits_of
+from paratrain.engine.evaluate import evaluate
 from paratrain.engine.precision import Precision
 from paratrain.engine.precision import resolve as resolve_precision
 from paratrain.engine.preempt import Preempted, PreemptionGuard, requeue
@@ -102,8 +102,13 @@ def prepare_data(cfg: TrainConfig, split: DataSplit, rt: Runtime, run_dir: Path 
     return cache, screen(split, cfg.bad_images, rt.rank, rt.world_size, workers, run_dir, found)
 
 
-def make_loaders(cfg: TrainConfig, split: DataSplit, rt: Runtime, cache: DecodedCache | None):
+def make_loaders(
+    cfg: TrainConfig, split: DataSplit, rt: Runtime, cache: DecodedCache | None, parts=None
+):
+    """Sharded over the model's replicas (every process, except that a pipeline's
+    stages read the same batches)."""
     workers = loader_workers(cfg, rt)
+    replica, replicas = (parts.replica, parts.replicas) if parts is not None else (rt.rank, rt.world_size)
     common = dict(
         batch_size=cfg.batch_size,
         num_workers=workers,
@@ -124,9 +129,10 @@ def make_loaders(cfg: TrainConfig, split: DataSplit, rt: Runtime, cache: Decoded
         val_set = ImageSamples(split.val, eval_transform(cfg.image_size))
     if cache is not None:
         common["collate_fn"] = batched
-    sampler = train_sampler(len(train_set), rt.rank, rt.world_size, cfg.seed)
-    train_loader = DataLoader(train_set, sampler=sampler, **common)
-    val_sampler = ShardedEvalSampler(len(val_set), rt.rank, rt.world_size)
+    sampler = train_sampler(len(train_set), replica, replicas, cfg.seed)
+    fixed = parts is not None and parts.fixed_batch
+    train_loader = DataLoader(train_set, sampler=sampler, drop_last=fixed, **common)
+    val_sampler = ShardedEvalSampler(len(val_set), replica, replicas)
     loaders = train_loader, DataLoader(val_set, sampler=val_sampler, **common)
     return (*loaders, workers, cache is not None)
 
@@ -182,17 +188,23 @@ class Checkpointer:
 
     def save(self, progress: Progress, val_top1: float | None = None) -> None:
         rng = gathered_rng_states()  # a collective: every rank takes part
+        if self.parts.collective_state():  # staged or sharded: every rank gives its part
+            model = self.parts.state_dict()
+            optimizer = self.parts.optimizer_state_dict(self.optimizer)
         if not self.rt.is_main:
             return
+        if not self.parts.collective_state():
+            model = self.parts.state_dict()
+            optimizer = self.parts.optimizer_state_dict(self.optimizer)
         state = {
-            "model": self.parts.state_dict(),
+            "model": model,
             "ema": self.ema.state_dict() if self.ema is not None else None,
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "epoch": progress.epoch,
             "step_in_epoch": progress.step_in_epoch,
-            "consumed": progress.step_in_epoch * samples_per_step(self.cfg, self.rt.world_size),
+            "consumed": progress.step_in_epoch * samples_per_step(self.cfg, self.parts.replicas),
             "global_step": progress.global_step,
             "skipped_steps": progress.skipped_steps,
             "partial_totals": progress.totals.clone(),
@@ -201,7 +213,9 @@ class Checkpointer:
             "rng": rng,
             "classes": self.classes,
             "config": self.cfg.to_dict(),
-            "world_size": self.rt.world_size,
+            "world_size": self.parts.replicas,  # data-parallel copies: what the batch scales by
+            "processes": self.rt.world_size,
+            "strategy": self.cfg.strategy,
             "lr": self.optimizer.param_groups[0]["lr"],
         }
         checkpoint.save_atomic(state, self.dir / checkpoint.LAST)
@@ -265,10 +279,10 @@ def train_one_epoch(
     start = time.perf_counter()
     accum, last = recipe.grad_accum, len(loader) - 1
     optimizer.zero_grad(set_to_none=True)
-    micro, step_loss, step_correct, step_n = 0, 0.0, 0, 0
+    micro, step_loss, step_correct, step_n, step_images = 0, 0.0, 0, 0, 0
     for index, (images, labels) in enumerate(loader):
-        images = images.to(rt.device, non_blocking=True, memory_format=parts.memory_format)
-        labels = labels.to(rt.device, non_blocking=True)
+        images = images.to(parts.input_device, non_blocking=True, memory_format=parts.memory_format)
+        labels = labels.to(parts.output_device, non_blocking=True)
         targets = labels
         if recipe.mixer is not None:  # train accuracy is then against the unmixed labels
             images, targets = recipe.mixer(images, labels)
@@ -276,16 +290,17 @@ def train_one_epoch(
         stepping = micro == accum or index == last
         # the first accum-1 micro-batches keep their gradients local (DDP's no_sync)
         with contextlib.nullcontext() if stepping else parts.no_sync():
-            with recipe.precision.autocast():
-                logits = logits_of(parts(images))
-                loss = recipe.criterion(logits, targets)
-            recipe.precision.backward(loss / accum)
-        n = labels.numel()
-        step_loss += loss.item() * n
-        step_correct += (logits.argmax(1) == labels).sum().item()
-        step_n += n
+            loss, logits = parts.forward_backward(
+                images, targets, recipe.criterion, recipe.precision, accum
+            )
+        step_images += labels.numel()
+        if logits is not None:  # a pipeline's last stage alone has them
+            step_loss += loss.item() * labels.numel()
+            step_correct += (logits.argmax(1) == labels).sum().item()
+            step_n += labels.numel()
         if not stepping:
             continue
+        parts.after_backward()
         if control.loss_is_bad(torch.tensor(step_loss), progress):
             progress.skipped_steps += 1
         else:
@@ -298,7 +313,7 @@ def train_one_epoch(
             if recipe.ema is not None:
                 recipe.ema.update()
             progress.totals += torch.tensor([step_loss, step_correct, step_n], dtype=torch.float64)
-            if recipe.board is not None:
+            if recipe.board is not None and step_n:
                 recipe.board.step(
                     progress.global_step + 1,
                     step_loss / step_n,
@@ -310,9 +325,9 @@ def train_one_epoch(
         progress.step_in_epoch += 1
         progress.global_step += 1
         if bar is not None:
-            bar.update(step_n * rt.world_size)
+            bar.update(step_images * parts.replicas)
             bar.set_postfix(loss=f"{progress.totals[0] / max(progress.totals[2], 1):.4f}")
-        micro, step_loss, step_correct, step_n = 0, 0.0, 0, 0
+        micro, step_loss, step_correct, step_n, step_images = 0, 0.0, 0, 0, 0
         control.after_step(progress)
     return time.perf_counter() - start
 
@@ -328,7 +343,7 @@ def fit(cfg: TrainConfig, rt: Runtime) -> dict:
     metrics = MetricsWriter(run_dir)
 
     parts = parallelize(build_model(cfg, len(split.classes)), cfg, rt)
-    optimizer = build_optimizer(parts, cfg, rt.world_size)
+    optimizer = build_optimizer(parts, cfg, parts.replicas)
     recipe = Recipe(
         criterion=build_criterion(cfg),
         mixer=build_mixer(cfg, len(split.classes)),
@@ -343,14 +358,15 @@ def fit(cfg: TrainConfig, rt: Runtime) -> dict:
     progress = Progress()
     if resume_from is not None:
         progress = _resume(resume_from, cfg, rt, parts, optimizer, scheduler, recipe)
-    train_loader, val_loader, workers, cached = make_loaders(cfg, split, rt, cache)
+    train_loader, val_loader, workers, cached = make_loaders(cfg, split, rt, cache, parts)
     saver = Checkpointer(cfg, run_dir, rt, parts, optimizer, scheduler, split.classes, recipe)
     guard = PreemptionGuard(cfg.preempt_grace).install()
     control = StepControl(cfg, rt, saver, guard)
     if rt.is_main:
         _write_run_files(cfg, split, run_dir)
         metrics.drop_after(progress.epoch)
-        _announce(cfg, split, run_dir, rt, workers, optimizer.param_groups[0]["lr"], cached)
+        _announce(cfg, split, run_dir, rt, workers, optimizer.param_groups[0]["lr"], cached,
+                  parts.replicas)
         log.info(
             f"precision {recipe.precision.mode}" + (" (auto)" if cfg.precision == "auto" else "")
             + (", torch.compile (the first steps compile)" if cfg.compile else "")
@@ -360,16 +376,16 @@ def fit(cfg: TrainConfig, rt: Runtime) -> dict:
     try:
         for epoch in range(progress.epoch, cfg.epochs):
             epoch_start = time.perf_counter()
-            consumed = progress.step_in_epoch * samples_per_step(cfg, rt.world_size)
+            consumed = progress.step_in_epoch * samples_per_step(cfg, parts.replicas)
             train_loader.sampler.set_epoch(epoch, consumed)  # a new order every epoch
             epoch_lr = optimizer.param_groups[0]["lr"]
-            bar = _progress_bar(rt, len(train_loader.sampler) * rt.world_size, epoch, cfg.epochs)
+            bar = _progress_bar(rt, len(train_loader.sampler) * parts.replicas, epoch, cfg.epochs)
             recipe.board.start_epoch()
             train_seconds = train_one_epoch(
                 parts, train_loader, optimizer, rt, control, progress, bar, recipe
             )
             with recipe.precision.autocast():
-                result = evaluate(parts, val_loader, rt.device, len(split.classes))
+                result = evaluate(parts, val_loader, parts.input_device, len(split.classes))
                 if recipe.ema is not None:
                     averaged = evaluate(
                         recipe.ema.module, val_loader, rt.device, len(split.classes)
@@ -434,7 +450,7 @@ def _resume(
             ema.load_state_dict(state["ema"])
         else:
             log.warning(f"{path} holds no EMA weights: the average starts from the resumed ones")
-    optimizer.load_state_dict(state["optimizer"])
+    parts.load_optimizer_state_dict(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     restore_rng(state.get("rng"), rt.rank)
     progress = Progress(
@@ -444,9 +460,9 @@ def _resume(
         skipped_steps=state.get("skipped_steps", 0),
         best_top1=state.get("best_top1", -1.0),
     )
-    old_world = state.get("world_size", rt.world_size)
-    if old_world != rt.world_size:
-        _rescale(state, cfg, rt, optimizer, scheduler, progress)
+    old_world = state.get("world_size", parts.replicas)
+    if old_world != parts.replicas:
+        _rescale(state, cfg, parts.replicas, optimizer, scheduler, progress)
     elif state.get("partial_totals") is not None and rt.is_main:
         progress.totals = state["partial_totals"]  # rank 0 carries the epoch's sums so far
     where = f"epoch {progress.epoch + 1}" + (
@@ -457,12 +473,13 @@ def _resume(
 
 
 def _rescale(
-    state, cfg: TrainConfig, rt: Runtime, optimizer, scheduler, progress: Progress
+    state, cfg: TrainConfig, replicas: int, optimizer, scheduler, progress: Progress
 ) -> None:
-    """Another world size: the global batch changes, and with it the scaled lr."""
+    """Another number of model replicas (data-parallel world size): the global batch
+    changes, and with it the scaled lr."""
     old_world, old_batch = state["world_size"], state["config"]["batch_size"]
     old_accum = state["config"].get("grad_accum", 1)
-    new_lr = effective_lr(cfg.lr, rt.world_size * cfg.grad_accum, cfg.lr_scaling)
+    new_lr = effective_lr(cfg.lr, replicas * cfg.grad_accum, cfg.lr_scaling)
     old_lr = effective_lr(
         state["config"]["lr"], old_world * old_accum, state["config"]["lr_scaling"]
     )
@@ -471,7 +488,7 @@ def _rescale(
     for group in optimizer.param_groups:
         group["lr"] = new_lr * factor
         group["initial_lr"] = new_lr
-    per_step = samples_per_step(cfg, rt.world_size)
+    per_step = samples_per_step(cfg, replicas)
     if progress.step_in_epoch and (state.get("consumed", 0) % per_step):
         get_logger().warning(
             "the interrupted epoch resumes at a sample offset that does not "
@@ -479,7 +496,7 @@ def _rescale(
         )
     progress.step_in_epoch = state.get("consumed", 0) // per_step
     get_logger().info(
-        f"world size {old_world} -> {rt.world_size}: global batch "
+        f"world size {old_world} -> {replicas}: global batch "
         f"{old_batch * old_world * old_accum} -> {per_step}, lr {old_lr:g} -> {new_lr:g}"
     )
 
@@ -515,7 +532,8 @@ def _write_run_files(cfg: TrainConfig, split: DataSplit, run_dir: Path) -> None:
 
 
 def _announce(
-    cfg, split: DataSplit, run_dir: Path, rt: Runtime, workers: int, lr: float, cached: bool
+    cfg, split: DataSplit, run_dir: Path, rt: Runtime, workers: int, lr: float, cached: bool,
+    replicas: int,
 ) -> None:
     log = get_logger()
     log.info(
@@ -525,8 +543,8 @@ def _announce(
         f"{'decoded-image cache' if cached else 'decoding every epoch'}"
     )
     log.info(
-        f"global batch {samples_per_step(cfg, rt.world_size)} ({cfg.batch_size} x "
-        f"{rt.world_size}{f' x {cfg.grad_accum} micro-batches' if cfg.grad_accum > 1 else ''}), "
+        f"global batch {samples_per_step(cfg, replicas)} ({cfg.batch_size} x "
+        f"{replicas}{f' x {cfg.grad_accum} micro-batches' if cfg.grad_accum > 1 else ''}), "
         f"{cfg.opt} lr {lr:g} (base {cfg.lr:g}, scaling {cfg.lr_scaling}), {cfg.epochs} epochs"
         + _recipe_words(cfg)
     )

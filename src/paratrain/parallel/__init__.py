@@ -9,6 +9,9 @@ The order is fixed, and each step depends on the one before:
    every rank starts from identical values;
 4. torch.compile (--compile), around DDP rather than inside it, so that dynamo sees the
    buckets and splits its graph at them.
+
+Model partitioning (split, pipeline) cuts the model into stages first (partition.py) and
+places each stage; fsdp shards every block and then the root.
 """
 
 from __future__ import annotations
@@ -49,12 +52,47 @@ class ModelParts(list):
     """
 
     memory_format = torch.contiguous_format  # what inputs are converted to
+    input_device: torch.device | None = None  # where images go (None: the runtime's device)
+    output_device: torch.device | None = None  # where logits come out, and labels go
+    devices: list[torch.device] | None = None  # one per part when parts sit on devices
+    replicas: int | None = None  # data-parallel copies of the model (None: the world size)
+    replica: int | None = None  # which copy this process belongs to (None: its rank)
+    produces_output = True  # False on pipeline stages before the last
+    fixed_batch = False  # True where every training batch must have the full size
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
         out = inputs
-        for part in self:
+        for index, part in enumerate(self):
+            if self.devices is not None:
+                out = out.to(self.devices[index], non_blocking=True)
             out = part(out)
         return out
+
+    def forward_backward(self, images: torch.Tensor, targets: torch.Tensor, criterion, precision,
+                         divisor: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One micro-batch's forward and backward; its loss and logits (None where this
+        process does not produce them). The loss's gradient is divided by ``divisor``."""
+        from paratrain.engine.evaluate import logits_of
+
+        with precision.autocast():
+            logits = logits_of(self(images))
+            loss = criterion(logits, targets)
+        precision.backward(loss / divisor)
+        return loss.detach(), logits.detach()
+
+    def after_backward(self) -> None:
+        """Called once the step's gradients are complete, before the optimizer step."""
+
+    def collective_state(self) -> bool:
+        """Whether gathering the state needs every rank (sharded or staged parameters)."""
+        return False
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        """Indexed like a single-device optimizer over the whole model's parameters."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        optimizer.load_state_dict(state)
 
     @property
     def training(self) -> bool:
@@ -116,8 +154,19 @@ def parallelize(
     if cfg.strategy == "dp":
         from paratrain.parallel import dp
 
-        return dp.apply(model, runtime)
+        return _placed(dp.apply(model, runtime), runtime)
     fmt = memory_format_for(model, cfg.memory_format, runtime.device)
+    if cfg.strategy in ("fsdp", "pipeline"):
+        # FSDP2 shards contiguous parameters only; the pipeline's receive buffers for
+        # gradients take channels_last strides that gloo and NCCL refuse (torch 2.14)
+        fmt = torch.contiguous_format
+    if cfg.strategy in ("split", "pipeline", "fsdp"):
+        import importlib
+
+        strategy = importlib.import_module(f"paratrain.parallel.{cfg.strategy}")
+        parts = strategy.apply(model.to(memory_format=fmt), cfg, runtime, fmt)
+        parts.memory_format = fmt
+        return _placed(parts, runtime)
     model = model.to(runtime.device, memory_format=fmt)
     parts = _wrap(model, cfg, runtime, cfg.grad_accum > 1 if uses_no_sync is None else uses_no_sync)
     if cfg.compile:
@@ -126,6 +175,15 @@ def parallelize(
         _quiet_expected_compile_notices()
         parts = ModelParts([torch.compile(part) for part in parts])
     parts.memory_format = fmt
+    return _placed(parts, runtime)
+
+
+def _placed(parts: ModelParts, runtime: Runtime) -> ModelParts:
+    """Defaults for data parallelism: every process a replica, inputs on its device."""
+    if parts.replicas is None:
+        parts.replicas, parts.replica = runtime.world_size, runtime.rank
+    if parts.input_device is None:
+        parts.input_device = parts.output_device = runtime.device
     return parts
 
 

@@ -1,0 +1,106 @@
+"""--strategy fsdp: FSDP2 (``fully_shard``), parameters, gradients and optimizer state
+sharded across every process.
+
+Each block (every module directly inside a Sequential, ModuleList or ModuleDict: a ResNet
+block, a ViT encoder layer) is its own unit: its parameters are all-gathered just before
+its forward and backward and freed after, its gradients reduce-scattered so each process
+keeps 1/W of them, and the optimizer only ever sees its own shard. The root wraps what
+is left (stem, head). Checkpoints gather the full state on rank 0 (torch's
+distributed-checkpoint state-dict helpers), in the single-device layout.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from paratrain.config import TrainConfig
+from paratrain.dist.runtime import Runtime
+from paratrain.parallel import ModelParts, unified
+
+CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """Modules directly inside a container, holding parameters, outermost first; a
+    container inside a container is searched instead of taken."""
+    found: list[nn.Module] = []
+
+    def walk(module: nn.Module) -> None:
+        for child in module.children():
+            if isinstance(module, CONTAINERS) and not isinstance(child, CONTAINERS):
+                if any(True for _ in child.parameters()):
+                    found.append(child)
+                continue
+            walk(child)
+
+    walk(model)
+    return found
+
+
+class FSDPParts(ModelParts):
+    def __init__(self, model: nn.Module, full_names: list[str]):
+        super().__init__([model])
+        self.full_names = full_names
+
+    def collective_state(self) -> bool:
+        return True
+
+    def _options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict on rank 0 ({} elsewhere): a collective."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self[0], options=self._options())
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
+
+        set_model_state_dict(self[0], state, options=StateDictOptions(full_state_dict=True))
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        named = get_optimizer_state_dict(self[0], optimizer, options=self._options())
+        if not named:
+            return {}
+        return unified.by_index(named, self.full_names)
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        set_optimizer_state_dict(
+            self[0],
+            optimizer,
+            unified.by_name(state, self.full_names),
+            options=StateDictOptions(full_state_dict=True),
+        )
+
+
+def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime, memory_format) -> FSDPParts:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    full_names = unified.trainable_names(model)
+    if cfg.sync_bn and runtime.world_size > 1:
+        from paratrain.parallel import sync_batchnorm
+
+        model = sync_batchnorm.apply(model, runtime)
+    model = model.to(runtime.device)
+    mesh = init_device_mesh(runtime.device.type, (runtime.world_size,))
+    for block in blocks(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    parts = FSDPParts(model, full_names)
+    parts.input_device = parts.output_device = runtime.device
+    return parts

@@ -1,0 +1,315 @@
+"""Cut any traceable model into consecutive stages, balanced by measured cost.
+
+The model is traced with torch.fx into one graph of operations. A *cut point* is a place
+in that graph where exactly one value is alive, so the model's forward is a chain there:
+stage k's output is stage k+1's only input. The operations between two cut points form
+a *unit* (a ResNet block, a ViT encoder layer, a pooling layer), named by the module
+path its operations share. Stages are runs of consecutive units: automatically balanced
+from a few profiled forward and backward passes, or where ``--split-points`` says.
+
+Every stage is a ``torch.fx.GraphModule`` that holds the original submodules under their
+original names, so the stages' state dicts together are the model's state dict.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from paratrain.errors import UserError
+
+
+@dataclass
+class Unit:
+    """Consecutive graph nodes between two cut points."""
+
+    name: str
+    nodes: list[fx.Node] = field(repr=False)
+    parameters: int = 0  # elements
+    parameter_bytes: int = 0
+    seconds: float = 0.0  # forward + backward, measured
+    activation_bytes: int = 0  # saved for backward at the profiled batch size
+
+
+@dataclass
+class Traced:
+    graph: fx.GraphModule
+    units: list[Unit]
+
+    @property
+    def names(self) -> list[str]:
+        return [unit.name for unit in self.units]
+
+
+def trace(model: nn.Module, model_name: str = "model") -> Traced:
+    """The model's graph and its units. A model fx cannot trace is a UserError."""
+    try:
+        graph = fx.symbolic_trace(model)
+    except Exception as exc:  # fx raises many kinds for data-dependent control flow
+        raise UserError(
+            f"{model_name} cannot be cut into stages: torch.fx could not trace it "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); use --strategy ddp or fsdp"
+        ) from None
+    units = _units(graph)
+    for unit in units[1:]:
+        _not_in_place(graph, unit.nodes[0])
+    own = dict(graph.named_parameters())
+    for unit in units:
+        targets = {n.target for n in unit.nodes if n.op in ("call_module", "get_attr")}
+        params = [p for name, p in own.items() if any(_within(name, t) for t in targets)]
+        unit.parameters = sum(p.numel() for p in params)
+        unit.parameter_bytes = sum(p.numel() * p.element_size() for p in params)
+    return Traced(graph, units)
+
+
+def _not_in_place(graph: fx.GraphModule, node: fx.Node) -> None:
+    """A stage's input is a leaf that requires grad (its gradient goes back to the stage
+    before); autograd refuses an in-place operation on it, such as ResNet's ReLU after
+    the stem. Same values, one more buffer."""
+    if node.op == "call_module":
+        module = graph.get_submodule(node.target)
+        if getattr(module, "inplace", False):
+            module.inplace = False
+    elif node.kwargs.get("inplace"):
+        node.kwargs = {**node.kwargs, "inplace": False}
+        graph.recompile()
+
+
+def _within(qualified: str, target: str) -> bool:
+    return qualified == target or qualified.startswith(target + ".")
+
+
+def _units(graph: fx.GraphModule) -> list[Unit]:
+    nodes = list(graph.graph.nodes)
+    order = {node: i for i, node in enumerate(nodes)}
+    last_use = {n: max((order[u] for u in n.users), default=order[n]) for n in nodes}
+    groups: list[list[fx.Node]] = [[]]
+    for i, node in enumerate(nodes):
+        if node.op == "output":
+            break
+        if node.op != "placeholder":
+            groups[-1].append(node)
+        live = [n for n in nodes[: i + 1] if last_use[n] > i]
+        if node.op != "placeholder" and live == [node]:
+            groups.append([])  # only this node's value crosses: a cut point
+    units: list[Unit] = []
+    for group in (g for g in groups if g):
+        name = _common_path(group)
+        previous = units[-1].name if units else None
+        if units and (name is None or name == previous or name.startswith(f"{previous}.")):
+            units[-1].nodes.extend(group)  # a block's trailing ReLU, a flatten: same unit
+        else:
+            units.append(Unit(name or group[0].name, group))
+    return units
+
+
+def _common_path(group: list[fx.Node]) -> str | None:
+    targets = [n.target.split(".") for n in group if n.op in ("call_module", "get_attr")]
+    if not targets:
+        return None
+    common = os.path.commonprefix(targets)
+    return ".".join(common) if common else "+".join(dict.fromkeys(t[0] for t in targets))
+
+
+def stage_starts(units: list[str], split_points: list[str], stages: int) -> list[int]:
+    """``--split-points``: the units where stages 2..P begin, by name (a module path
+    that names a unit or starts one: ``layer3`` starts at ``layer3.0``)."""
+    if len(split_points) != stages - 1:
+        raise UserError(
+            f"--split-points: {stages} stages need {stages - 1} split point(s), "
+            f"got {len(split_points)}"
+        )
+    starts = [0]
+    for point in split_points:
+        index = next(
+            (i for i, name in enumerate(units) if name == point or name.startswith(point + ".")),
+            None,
+        )
+        if index is None or index == 0:
+            raise UserError(
+                f"--split-points: {point!r} does not begin a unit after the first; "
+                f"units: {', '.join(units)}"
+            )
+        if index <= starts[-1]:
+            raise UserError(f"--split-points must be in model order and distinct: {point!r}")
+        starts.append(index)
+    return starts
+
+
+def balance(costs: list[float], stages: int) -> list[int]:
+    """Start indices of ``stages`` contiguous groups minimising the costliest group (the
+    pipeline's throughput is set by its slowest stage); dynamic programming, exact."""
+    n = len(costs)
+    if stages > n:
+        raise UserError(f"{stages} stages asked for, but the model has only {n} units")
+    prefix = [0.0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+    inf = float("inf")
+    # best[k][i]: the least possible maximum for the first i units in k groups
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i] - 1e-15:
+                    best[k][i], cut[k][i] = value, j
+    starts, i = [], n
+    for k in range(stages, 0, -1):
+        i = cut[k][i]
+        starts.append(i)
+    return starts[::-1]
+
+
+def build_stages(traced: Traced, starts: list[int]) -> list[fx.GraphModule]:
+    """One GraphModule per stage, holding the original submodules and parameters under
+    their original qualified names (GraphModule copies what its graph refers to)."""
+    nodes = list(traced.graph.graph.nodes)
+    output = next(n for n in nodes if n.op == "output")
+    bounds = [*starts, len(traced.units)]
+    stages, previous = [], None
+    for stage in range(len(starts)):
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        if previous is None:
+            for node in (n for n in nodes if n.op == "placeholder"):
+                env[node] = graph.node_copy(node)
+        else:
+            env[previous] = graph.placeholder("x")
+        chosen = [n for u in traced.units[bounds[stage] : bounds[stage + 1]] for n in u.nodes]
+        for node in chosen:
+            env[node] = graph.node_copy(node, env.__getitem__)
+        last = chosen[-1]
+        if stage == len(starts) - 1:
+            graph.output(fx.map_arg(output.args[0], env.__getitem__))
+        else:
+            graph.output(env[last])
+        stages.append(fx.GraphModule(traced.graph, graph, class_name=f"Stage{stage}"))
+        previous = last
+    return stages
+
+
+def profile(traced: Traced, sample: torch.Tensor, repeats: int = 3) -> None:
+    """Per unit: forward + backward seconds (median of ``repeats`` after one warm-up)
+    and the bytes autograd saves for backward, at ``sample``'s batch size."""
+    stages = build_stages(traced, list(range(len(traced.units))))
+    weights = {t.untyped_storage().data_ptr() for t in traced.graph.parameters()}
+    timings: list[list[float]] = [[] for _ in stages]
+    saved = [0] * len(stages)
+    for attempt in range(repeats + 1):
+        inputs, outputs, forward = [], [], []
+        x = sample
+        for index, stage in enumerate(stages):
+            x = x.detach().requires_grad_(x.is_floating_point() and index > 0)
+            inputs.append(x)
+            seen: dict[int, int] = {}
+
+            def pack(tensor: torch.Tensor, seen=seen) -> torch.Tensor:
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() not in weights:  # a weight's view (linear's t())
+                    seen[storage.data_ptr()] = storage.nbytes()
+                return tensor
+
+            start = time.perf_counter()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                x = stage(x)
+            forward.append(time.perf_counter() - start)
+            outputs.append(x)
+            if attempt == 0:
+                saved[index] = sum(seen.values())
+        grad = torch.ones_like(outputs[-1]) / outputs[-1].numel()
+        for index in range(len(stages) - 1, -1, -1):
+            start = time.perf_counter()
+            wanted = [inputs[index]] if inputs[index].requires_grad else []
+            params = [p for p in stages[index].parameters() if p.requires_grad]
+            grads = torch.autograd.grad(
+                outputs[index], wanted + params, grad, allow_unused=True
+            )
+            if attempt > 0:
+                timings[index].append(forward[index] + time.perf_counter() - start)
+            grad = grads[0] if wanted else None
+            if grad is None and index > 0:
+                grad = torch.zeros_like(outputs[index - 1])
+    for unit, seconds, nbytes in zip(traced.units, timings, saved, strict=True):
+        unit.seconds = statistics.median(seconds)
+        unit.activation_bytes = nbytes
+
+
+@dataclass
+class StagePlan:
+    units: list[str]
+    parameters: int
+    parameter_bytes: int
+    time_share: float
+    activation_bytes: int  # at the profiled batch size
+
+
+def describe(traced: Traced, starts: list[int]) -> list[StagePlan]:
+    bounds = [*starts, len(traced.units)]
+    total = sum(unit.seconds for unit in traced.units) or 1.0
+    plans = []
+    for stage in range(len(starts)):
+        units = traced.units[bounds[stage] : bounds[stage + 1]]
+        plans.append(
+            StagePlan(
+                units=[u.name for u in units],
+                parameters=sum(u.parameters for u in units),
+                parameter_bytes=sum(u.parameter_bytes for u in units),
+                time_share=sum(u.seconds for u in units) / total,
+                activation_bytes=sum(u.activation_bytes for u in units),
+            )
+        )
+    return plans
+
+
+def format_plan(plans: list[StagePlan], devices: list[str], batch: int) -> str:
+    lines = [f"stage plan ({len(plans)} stages; activations at batch {batch}):"]
+    for index, (plan, device) in enumerate(zip(plans, devices, strict=True)):
+        span = plan.units[0] if len(plan.units) == 1 else f"{plan.units[0]} .. {plan.units[-1]}"
+        lines.append(
+            f"  stage {index} on {device}: {span} ({len(plan.units)} units), "
+            f"{plan.parameters / 1e6:.2f}M parameters, {plan.time_share:.0%} of the time, "
+            f"{(plan.parameter_bytes + plan.activation_bytes) / 2**20:.0f} MiB "
+            f"(weights {plan.parameter_bytes / 2**20:.0f}, activations "
+            f"{plan.activation_bytes / 2**20:.0f})"
+        )
+    return "\n".join(lines)
+
+
+def plan_stages(
+    model: nn.Module,
+    stages: int,
+    sample: torch.Tensor,
+    split_points: list[str] | None = None,
+    model_name: str = "model",
+) -> tuple[Traced, list[int]]:
+    """Trace, profile and choose where the stages start (measured time, or the user's
+    split points). The profile runs on ``sample``'s device, on a copy-free trace."""
+    traced = trace(model, model_name)
+    if stages > len(traced.units):
+        raise UserError(
+            f"{model_name} has {len(traced.units)} units where it can be cut; "
+            f"{stages} stages are too many"
+        )
+    was_training = model.training
+    buffers = {name: b.clone() for name, b in traced.graph.named_buffers()}
+    traced.graph.train()
+    with torch.random.fork_rng(devices=[]):  # profiling leaves the model and RNG as found
+        profile(traced, sample)
+    traced.graph.train(was_training)
+    with torch.no_grad():
+        for name, buffer in traced.graph.named_buffers():
+            buffer.copy_(buffers[name])
+    if split_points:
+        starts = stage_starts(traced.names, split_points, stages)
+    else:
+        starts = balance([unit.seconds for unit in traced.units], stages)
+    return traced, starts

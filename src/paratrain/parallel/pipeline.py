@@ -1,0 +1,152 @@
+"""--strategy pipeline --stages P --microbatches M --schedule gpipe|1f1b.
+
+Each process holds one stage of the model; every batch is cut into M micro-batches that
+flow through the stages with torch.distributed.pipelining's schedules, so that stages
+work on different micro-batches at once. With W = P x D processes there are D copies
+(replicas) of the pipeline: rank r is stage r % P of replica r // P, so one replica's
+stages are neighbours (on one machine with --nproc); each stage's gradients are averaged
+over its D replicas after the schedule's backward, before the optimizer step.
+
+Every stage of a replica reads the same batches (the first needs the images, the last
+the labels); the data is sharded over replicas, not processes. The loss, logits and
+evaluation counts come from the last stage only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.config import TrainConfig
+from paratrain.dist import comm
+from paratrain.dist.runtime import Runtime
+from paratrain.errors import UserError
+from paratrain.parallel import ModelParts, partition, unified
+from paratrain.parallel.split import profile_sample, split_points
+from paratrain.report.log import get_logger
+
+
+class _Loss:
+    """The schedule's loss function; the loop sets the criterion and divisor per step."""
+
+    criterion: nn.Module | None = None
+    divisor: int = 1
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.criterion(output, target) / self.divisor
+
+
+class PipelineParts(ModelParts):
+    fixed_batch = True  # the stages' buffers are sized by the first micro-batches
+
+    def __init__(self, module, schedule, loss, stage, stages, dp_group, full_names):
+        super().__init__([module])
+        self.schedule, self.loss, self.stage, self.stages = schedule, loss, stage, stages
+        self.dp_group, self.full_names = dp_group, full_names
+        self.local_names = unified.trainable_names(module)
+        self.first, self.last = stage == 0, stage == stages - 1
+        self.produces_output = self.last
+
+    def __call__(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """Forward only (evaluation): the logits on the last stage, None before it."""
+        if self.first:
+            return self.schedule.eval(inputs)
+        # the schedule has a loss function, so its last stage asks for targets it ignores
+        dummy = torch.zeros(inputs.shape[0], dtype=torch.long, device=inputs.device)
+        return self.schedule.eval(target=dummy if self.last else None)
+
+    def forward_backward(self, images, targets, criterion, precision, divisor):
+        self.loss.criterion, self.loss.divisor = criterion, divisor
+        losses: list[torch.Tensor] = []
+        with precision.autocast():
+            if self.first:
+                self.schedule.step(images)
+                return None, None
+            if not self.last:
+                self.schedule.step()
+                return None, None
+            logits = self.schedule.step(target=targets, losses=losses)
+        loss = torch.stack([x.detach().float() for x in losses]).mean() * divisor
+        return loss, logits.detach()
+
+    def after_backward(self) -> None:
+        """Average this stage's gradients over its replicas, in one flat all-reduce."""
+        if self.replicas == 1:
+            return
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.dp_group)
+        flat /= self.replicas
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+    def collective_state(self) -> bool:
+        return True
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Rank 0 gets the whole model's state dict (replica 0's stages); others {}."""
+        own = super().state_dict() if self.replica == 0 else {}
+        merged: dict[str, torch.Tensor] = {}
+        for part in _gather_to_main(own):
+            merged.update(part)
+        return merged
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        own = unified.by_name(optimizer.state_dict(), self.local_names) if self.replica == 0 else None
+        stages = [part for part in _gather_to_main(own) if part is not None]
+        if not comm.is_main():
+            return {}
+        return unified.by_index(unified.merge_named(stages, self.full_names), self.full_names)
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        named = unified.by_name(state, self.full_names)
+        optimizer.load_state_dict(unified.by_index(named, self.local_names))
+
+
+def _gather_to_main(obj) -> list:
+    gathered = [None] * dist.get_world_size() if comm.is_main() else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered or []
+
+
+def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime, memory_format) -> PipelineParts:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    stages, world = cfg.stages, runtime.world_size
+    if world % stages:
+        raise UserError(
+            f"--strategy pipeline: {world} process(es) do not divide into {stages} stages "
+            f"(world size = stages x replicas; e.g. --nproc {stages} or {2 * stages})"
+        )
+    replicas = world // stages
+    stage, replica = runtime.rank % stages, runtime.rank // stages
+    # every rank creates every group, in the same order (new_group is collective)
+    pipe_groups = [dist.new_group([r * stages + s for s in range(stages)]) for r in range(replicas)]
+    dp_groups = [dist.new_group([r * stages + s for r in range(replicas)]) for s in range(stages)]
+    full_names = unified.trainable_names(model)
+    # rank 0 measures and decides; timings differ between processes, the cut must not
+    if runtime.is_main:
+        sample = profile_sample(cfg, torch.device("cpu"), memory_format)
+        traced, starts = partition.plan_stages(
+            model, stages, sample, split_points(cfg), model_name=cfg.model
+        )
+        devices = [f"rank {s}" + (f" (+{replicas - 1} replicas)" if replicas > 1 else "")
+                   for s in range(stages)]
+        get_logger().info(partition.format_plan(partition.describe(traced, starts), devices, 2))
+    else:
+        traced, starts = partition.trace(model, cfg.model), None
+    starts = comm.broadcast_object(starts)
+    module = partition.build_stages(traced, starts)[stage].to(runtime.device)
+    pipe_stage = PipelineStage(module, stage, stages, runtime.device, group=pipe_groups[replica])
+    loss = _Loss()
+    kind = ScheduleGPipe if cfg.schedule == "gpipe" else Schedule1F1B
+    # scale_grads: each micro-batch's loss is its mean, so the sum of their gradients
+    # is divided by M to make the batch's mean
+    schedule = kind(pipe_stage, n_microbatches=cfg.microbatches, loss_fn=loss, scale_grads=True)
+    parts = PipelineParts(module, schedule, loss, stage, stages, dp_groups[stage], full_names)
+    parts.replicas, parts.replica = replicas, replica
+    parts.input_device = parts.output_device = runtime.device
+    return parts

@@ -1,0 +1,66 @@
+"""--strategy split --devices cuda:0,cuda:1: one process, consecutive stages of the model
+on the listed devices, activations moved from each stage to the next (naive model
+parallelism: one device computes at a time). On CPU, ``--devices cpu,cpu`` runs the same
+code, which is how it is tested without GPUs."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from paratrain.config import TrainConfig
+from paratrain.dist.runtime import Runtime
+from paratrain.errors import UserError
+from paratrain.parallel import partition
+from paratrain.report.log import get_logger
+
+
+def parse_devices(text: str | None) -> list[torch.device]:
+    names = [name.strip() for name in (text or "").split(",") if name.strip()]
+    if len(names) < 2:
+        raise UserError(f"--strategy split needs --devices with at least 2 devices, got {text!r}")
+    devices = []
+    for name in names:
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            raise UserError(f"--devices: not a device name: {name!r}") from None
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise UserError(f"--devices {name}: CUDA is not available on this machine")
+            if device.index is not None and device.index >= torch.cuda.device_count():
+                raise UserError(f"--devices {name}: this machine has {torch.cuda.device_count()} GPU(s)")
+        devices.append(device)
+    return devices
+
+
+def split_points(cfg: TrainConfig) -> list[str] | None:
+    return [p.strip() for p in cfg.split_points.split(",") if p.strip()] if cfg.split_points else None
+
+
+def profile_sample(cfg: TrainConfig, device: torch.device, memory_format) -> torch.Tensor:
+    """A small batch of the run's image size to profile the units with."""
+    generator = torch.Generator().manual_seed(0)
+    sample = torch.randn(2, 3, cfg.image_size, cfg.image_size, generator=generator)
+    return sample.to(device, memory_format=memory_format)
+
+
+def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime, memory_format):
+    from paratrain.parallel import ModelParts
+
+    if runtime.world_size > 1:
+        raise UserError("--strategy split runs in one process; use --strategy pipeline across processes")
+    devices = parse_devices(cfg.devices)
+    # profiled on the CPU, where the whole model is (it may not fit any one device)
+    sample = profile_sample(cfg, torch.device("cpu"), memory_format)
+    traced, starts = partition.plan_stages(
+        model, len(devices), sample, split_points(cfg), model_name=cfg.model
+    )
+    get_logger().info(
+        partition.format_plan(partition.describe(traced, starts), [str(d) for d in devices], 2)
+    )
+    stages = partition.build_stages(traced, starts)
+    parts = ModelParts(stage.to(device) for stage, device in zip(stages, devices, strict=True))
+    parts.devices = devices
+    parts.input_device, parts.output_device = devices[0], devices[-1]
+    return parts

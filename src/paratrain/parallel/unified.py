@@ -1,0 +1,55 @@
+"""One checkpoint format for every strategy: the state a single-device run would have.
+
+The model's state dict has the unwrapped model's keys. The optimizer's state is indexed
+like an optimizer built over the whole model's trainable parameters, in the model's own
+order (what DDP and a single device save anyway). Staged and sharded strategies convert
+their local optimizer state through parameter names: index -> name -> index.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+
+def trainable_names(model: nn.Module) -> list[str]:
+    """The order an optimizer over ``model``'s trainable parameters indexes them in."""
+    return [name for name, p in model.named_parameters() if p.requires_grad]
+
+
+def by_name(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """An optimizer state dict indexed 0..n-1 over ``names`` -> keyed by name."""
+    return {
+        "state": {names[index]: value for index, value in state["state"].items()},
+        "param_groups": [
+            {**group, "params": [names[index] for index in group["params"]]}
+            for group in state["param_groups"]
+        ],
+    }
+
+
+def by_index(named: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """The reverse of :func:`by_name`, over ``names`` (which may be a subset: a stage's)."""
+    index = {name: i for i, name in enumerate(names)}
+    groups = []
+    for group in named["param_groups"]:
+        mine = [index[name] for name in group["params"] if name in index]
+        groups.append({**group, "params": mine})
+    return {
+        "state": {index[name]: value for name, value in named["state"].items() if name in index},
+        "param_groups": groups,
+    }
+
+
+def merge_named(parts: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+    """Stages' name-keyed optimizer states -> one over ``names`` (the whole model's).
+    Every stage's optimizer has the same hyperparameters; only its parameters differ."""
+    state: dict[str, Any] = {}
+    for part in parts:
+        state.update(part["state"])
+    groups = [
+        {**group, "params": list(names) if i == 0 else []}
+        for i, group in enumerate(parts[0]["param_groups"])
+    ]
+    return {"state": state, "param_groups": groups}
