@@ -24,7 +24,11 @@ from paratrain.parallel import parallelize
 from spawn import in_single_process, run_distributed
 
 pytestmark = pytest.mark.slow
-SIZE, CLASSES, BATCH = 32, 5, 16  # per replica; micro-batches of 4 or more (BatchNorm over 2 samples is ill-conditioned)
+SIZE, CLASSES, BATCH = (
+    32,
+    5,
+    16,
+)  # per replica; micro-batches of 4 or more (BatchNorm over 2 samples is ill-conditioned)
 
 
 def _config(**overrides) -> TrainConfig:
@@ -61,7 +65,9 @@ def _reference(replicas: int, chunks: int):
     loss.backward()
     optimizer.step()
     after = {k: v.clone() for k, v in model.state_dict().items()}
-    momentum = [optimizer.state[p]["momentum_buffer"].clone() for p in optimizer.param_groups[0]["params"]]
+    momentum = [
+        optimizer.state[p]["momentum_buffer"].clone() for p in optimizer.param_groups[0]["params"]
+    ]
     model.load_state_dict(start)  # the evaluation reference starts from the initial weights
     data = DataLoader(_eval_loader(), batch_size=BATCH)
     result = evaluate(model, data, torch.device("cpu"), CLASSES)

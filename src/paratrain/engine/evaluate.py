@@ -39,7 +39,9 @@ def logits_of(output) -> torch.Tensor:
     return output.logits if hasattr(output, "logits") else output
 
 
-def _full_batch_logits(model: nn.Module, images: torch.Tensor, batch_size: int | None) -> torch.Tensor:
+def _full_batch_logits(
+    model: nn.Module, images: torch.Tensor, batch_size: int | None
+) -> torch.Tensor:
     """A short last batch is padded to the loader's batch size (repeating its last image)
     and the padding dropped: math libraries pick kernels by batch size, and a kernel
     chosen for 13 images may round a sample differently from the one chosen for 16, so

@@ -108,7 +108,9 @@ def make_loaders(
     """Sharded over the model's replicas (every process, except that a pipeline's
     stages read the same batches)."""
     workers = loader_workers(cfg, rt)
-    replica, replicas = (parts.replica, parts.replicas) if parts is not None else (rt.rank, rt.world_size)
+    replica, replicas = (
+        (parts.replica, parts.replicas) if parts is not None else (rt.rank, rt.world_size)
+    )
     common = dict(
         batch_size=cfg.batch_size,
         num_workers=workers,
@@ -365,10 +367,19 @@ def fit(cfg: TrainConfig, rt: Runtime) -> dict:
     if rt.is_main:
         _write_run_files(cfg, split, run_dir)
         metrics.drop_after(progress.epoch)
-        _announce(cfg, split, run_dir, rt, workers, optimizer.param_groups[0]["lr"], cached,
-                  parts.replicas)
+        _announce(
+            cfg,
+            split,
+            run_dir,
+            rt,
+            workers,
+            optimizer.param_groups[0]["lr"],
+            cached,
+            parts.replicas,
+        )
         log.info(
-            f"precision {recipe.precision.mode}" + (" (auto)" if cfg.precision == "auto" else "")
+            f"precision {recipe.precision.mode}"
+            + (" (auto)" if cfg.precision == "auto" else "")
             + (", torch.compile (the first steps compile)" if cfg.compile else "")
         )
     recipe.board = Board(run_dir, cfg.tensorboard and rt.is_main, rt.world_size)
@@ -532,7 +543,13 @@ def _write_run_files(cfg: TrainConfig, split: DataSplit, run_dir: Path) -> None:
 
 
 def _announce(
-    cfg, split: DataSplit, run_dir: Path, rt: Runtime, workers: int, lr: float, cached: bool,
+    cfg,
+    split: DataSplit,
+    run_dir: Path,
+    rt: Runtime,
+    workers: int,
+    lr: float,
+    cached: bool,
     replicas: int,
 ) -> None:
     log = get_logger()

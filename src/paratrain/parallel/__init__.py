@@ -68,8 +68,9 @@ class ModelParts(list):
             out = part(out)
         return out
 
-    def forward_backward(self, images: torch.Tensor, targets: torch.Tensor, criterion, precision,
-                         divisor: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def forward_backward(
+        self, images: torch.Tensor, targets: torch.Tensor, criterion, precision, divisor: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """One micro-batch's forward and backward; its loss and logits (None where this
         process does not produce them). The loss's gradient is divided by ``divisor``."""
         from paratrain.engine.evaluate import logits_of

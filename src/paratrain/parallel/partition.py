@@ -230,9 +230,7 @@ def profile(traced: Traced, sample: torch.Tensor, repeats: int = 3) -> None:
             start = time.perf_counter()
             wanted = [inputs[index]] if inputs[index].requires_grad else []
             params = [p for p in stages[index].parameters() if p.requires_grad]
-            grads = torch.autograd.grad(
-                outputs[index], wanted + params, grad, allow_unused=True
-            )
+            grads = torch.autograd.grad(outputs[index], wanted + params, grad, allow_unused=True)
             if attempt > 0:
                 timings[index].append(forward[index] + time.perf_counter() - start)
             grad = grads[0] if wanted else None

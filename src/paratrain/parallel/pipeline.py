@@ -95,7 +95,9 @@ class PipelineParts(ModelParts):
         return merged
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        own = unified.by_name(optimizer.state_dict(), self.local_names) if self.replica == 0 else None
+        own = (
+            unified.by_name(optimizer.state_dict(), self.local_names) if self.replica == 0 else None
+        )
         stages = [part for part in _gather_to_main(own) if part is not None]
         if not comm.is_main():
             return {}
@@ -133,8 +135,10 @@ def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime, memory_format) -
         traced, starts = partition.plan_stages(
             model, stages, sample, split_points(cfg), model_name=cfg.model
         )
-        devices = [f"rank {s}" + (f" (+{replicas - 1} replicas)" if replicas > 1 else "")
-                   for s in range(stages)]
+        devices = [
+            f"rank {s}" + (f" (+{replicas - 1} replicas)" if replicas > 1 else "")
+            for s in range(stages)
+        ]
         get_logger().info(partition.format_plan(partition.describe(traced, starts), devices, 2))
     else:
         traced, starts = partition.trace(model, cfg.model), None

@@ -29,13 +29,17 @@ def parse_devices(text: str | None) -> list[torch.device]:
             if not torch.cuda.is_available():
                 raise UserError(f"--devices {name}: CUDA is not available on this machine")
             if device.index is not None and device.index >= torch.cuda.device_count():
-                raise UserError(f"--devices {name}: this machine has {torch.cuda.device_count()} GPU(s)")
+                raise UserError(
+                    f"--devices {name}: this machine has {torch.cuda.device_count()} GPU(s)"
+                )
         devices.append(device)
     return devices
 
 
 def split_points(cfg: TrainConfig) -> list[str] | None:
-    return [p.strip() for p in cfg.split_points.split(",") if p.strip()] if cfg.split_points else None
+    return (
+        [p.strip() for p in cfg.split_points.split(",") if p.strip()] if cfg.split_points else None
+    )
 
 
 def profile_sample(cfg: TrainConfig, device: torch.device, memory_format) -> torch.Tensor:
@@ -49,7 +53,9 @@ def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime, memory_format):
     from paratrain.parallel import ModelParts
 
     if runtime.world_size > 1:
-        raise UserError("--strategy split runs in one process; use --strategy pipeline across processes")
+        raise UserError(
+            "--strategy split runs in one process; use --strategy pipeline across processes"
+        )
     devices = parse_devices(cfg.devices)
     # profiled on the CPU, where the whole model is (it may not fit any one device)
     sample = profile_sample(cfg, torch.device("cpu"), memory_format)
