@@ -93,7 +93,9 @@ class ModelParts(list):
         return optimizer.state_dict()
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        optimizer.load_state_dict(state)
+        from paratrain.parallel.unified import own_implementation
+
+        optimizer.load_state_dict(own_implementation(state, optimizer))
 
     @property
     def training(self) -> bool:

@@ -82,7 +82,7 @@ class FSDPParts(ModelParts):
         set_optimizer_state_dict(
             self[0],
             optimizer,
-            unified.by_name(state, self.full_names),
+            unified.by_name(unified.own_implementation(state, optimizer), self.full_names),
             options=StateDictOptions(full_state_dict=True),
         )
 

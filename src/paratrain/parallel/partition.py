@@ -282,6 +282,32 @@ def format_plan(plans: list[StagePlan], devices: list[str], batch: int) -> str:
     return "\n".join(lines)
 
 
+def user_starts(
+    traced: Traced, stages: int, split_points: list[str] | None, model_name: str = "model"
+) -> list[int] | None:
+    """The stage starts ``--split-points`` asks for (None: to be balanced), after checking
+    that the model has enough units; the same answer on every rank."""
+    if stages > len(traced.units):
+        raise UserError(
+            f"{model_name} has {len(traced.units)} units where it can be cut; "
+            f"{stages} stages are too many"
+        )
+    return stage_starts(traced.names, split_points, stages) if split_points else None
+
+
+def measure(traced: Traced, sample: torch.Tensor) -> None:
+    """Profile the units in training mode, leaving weights, buffers and RNG as found."""
+    was_training = traced.graph.training
+    buffers = {name: b.clone() for name, b in traced.graph.named_buffers()}
+    traced.graph.train()
+    with torch.random.fork_rng(devices=[]):
+        profile(traced, sample)
+    traced.graph.train(was_training)
+    with torch.no_grad():
+        for name, buffer in traced.graph.named_buffers():
+            buffer.copy_(buffers[name])
+
+
 def plan_stages(
     model: nn.Module,
     stages: int,
@@ -289,25 +315,11 @@ def plan_stages(
     split_points: list[str] | None = None,
     model_name: str = "model",
 ) -> tuple[Traced, list[int]]:
-    """Trace, profile and choose where the stages start (measured time, or the user's
-    split points). The profile runs on ``sample``'s device, on a copy-free trace."""
+    """Trace, profile and choose where the stages start: the user's split points, or
+    balanced by measured time. The profile runs on ``sample``'s device."""
     traced = trace(model, model_name)
-    if stages > len(traced.units):
-        raise UserError(
-            f"{model_name} has {len(traced.units)} units where it can be cut; "
-            f"{stages} stages are too many"
-        )
-    was_training = model.training
-    buffers = {name: b.clone() for name, b in traced.graph.named_buffers()}
-    traced.graph.train()
-    with torch.random.fork_rng(devices=[]):  # profiling leaves the model and RNG as found
-        profile(traced, sample)
-    traced.graph.train(was_training)
-    with torch.no_grad():
-        for name, buffer in traced.graph.named_buffers():
-            buffer.copy_(buffers[name])
-    if split_points:
-        starts = stage_starts(traced.names, split_points, stages)
-    else:
+    starts = user_starts(traced, stages, split_points, model_name)
+    measure(traced, sample)
+    if starts is None:
         starts = balance([unit.seconds for unit in traced.units], stages)
     return traced, starts

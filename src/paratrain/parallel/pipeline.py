@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.config import TrainConfig
+from paratrain.data.scan import AgreedUserError
 from paratrain.dist import comm
 from paratrain.dist.runtime import Runtime
 from paratrain.errors import UserError
@@ -104,7 +105,7 @@ class PipelineParts(ModelParts):
         return unified.by_index(unified.merge_named(stages, self.full_names), self.full_names)
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        named = unified.by_name(state, self.full_names)
+        named = unified.by_name(unified.own_implementation(state, optimizer), self.full_names)
         optimizer.load_state_dict(unified.by_index(named, self.local_names))
 
 
@@ -119,7 +120,7 @@ def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime, memory_format) -
 
     stages, world = cfg.stages, runtime.world_size
     if world % stages:
-        raise UserError(
+        raise AgreedUserError(
             f"--strategy pipeline: {world} process(es) do not divide into {stages} stages "
             f"(world size = stages x replicas; e.g. --nproc {stages} or {2 * stages})"
         )
@@ -129,19 +130,19 @@ def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime, memory_format) -
     pipe_groups = [dist.new_group([r * stages + s for s in range(stages)]) for r in range(replicas)]
     dp_groups = [dist.new_group([r * stages + s for r in range(replicas)]) for s in range(stages)]
     full_names = unified.trainable_names(model)
+    try:  # the same model and flags on every rank: the same error, told once
+        traced = partition.trace(model, cfg.model)
+        starts = partition.user_starts(traced, stages, split_points(cfg), cfg.model)
+    except UserError as exc:
+        raise AgreedUserError(str(exc)) from None
     # rank 0 measures and decides; timings differ between processes, the cut must not
     if runtime.is_main:
-        sample = profile_sample(cfg, torch.device("cpu"), memory_format)
-        traced, starts = partition.plan_stages(
-            model, stages, sample, split_points(cfg), model_name=cfg.model
-        )
-        devices = [
-            f"rank {s}" + (f" (+{replicas - 1} replicas)" if replicas > 1 else "")
-            for s in range(stages)
-        ]
-        get_logger().info(partition.format_plan(partition.describe(traced, starts), devices, 2))
-    else:
-        traced, starts = partition.trace(model, cfg.model), None
+        partition.measure(traced, profile_sample(cfg, torch.device("cpu"), memory_format))
+        if starts is None:
+            starts = partition.balance([unit.seconds for unit in traced.units], stages)
+        where = [f"rank {s}" + (f" (and {replicas - 1} replica(s))" if replicas > 1 else "")
+                 for s in range(stages)]  # fmt: skip
+        get_logger().info(partition.format_plan(partition.describe(traced, starts), where, 2))
     starts = comm.broadcast_object(starts)
     module = partition.build_stages(traced, starts)[stage].to(runtime.device)
     pipe_stage = PipelineStage(module, stage, stages, runtime.device, group=pipe_groups[replica])

@@ -53,3 +53,16 @@ def merge_named(parts: list[dict[str, Any]], names: list[str]) -> dict[str, Any]
         for i, group in enumerate(parts[0]["param_groups"])
     ]
     return {"state": state, "param_groups": groups}
+
+
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def own_implementation(state: dict[str, Any], optimizer) -> dict[str, Any]:
+    """A saved state with this optimizer's implementation flags: a checkpoint of fused
+    SGD (plain tensors) loads into an FSDP run, whose sharded parameters take foreach."""
+    groups = [
+        {**saved, **{k: own[k] for k in IMPLEMENTATION_KEYS if k in own}}
+        for saved, own in zip(state["param_groups"], optimizer.param_groups, strict=False)
+    ]
+    return {**state, "param_groups": groups}
