@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 import torchvision
+from test_cli import run_cli
 
 from imagefolders import make_image_folder
-from test_cli import run_cli
 
 pytestmark = pytest.mark.slow
 
