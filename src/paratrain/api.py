@@ -307,6 +307,40 @@ def scale(config: TrainConfig, options, out: str | Path, calibrate: str | Path |
     return report
 
 
+def plan(
+    model: str,
+    image_size: int,
+    batch_size: int,
+    device_memory: str,
+    devices: int = 2,
+    opt: str = "sgd",
+    microbatches: int = 4,
+    schedule: str = "1f1b",
+    classes: int = 1000,
+    momentum: float = 0.9,
+    say=print,
+) -> dict:
+    """`paratrain plan`: per-device memory of each strategy; which fit; the recommendation."""
+    from paratrain.bench import memory
+    from paratrain.models.registry import create_model
+
+    import torch
+
+    limit = memory.parse_size(device_memory)
+    torch.manual_seed(0)
+    net = create_model(model, classes, image_size)
+    rows = memory.estimate(net, image_size, batch_size, devices,
+                           memory.optimizer_slots(opt, momentum), microbatches, schedule,
+                           model_name=model)  # fmt: skip
+    choice, why = memory.recommend(rows, limit, devices)
+    heading = (f"{model} at {image_size}px, batch {batch_size} per device, {opt}, fp32, "
+               f"{devices} device(s) of {device_memory}:")  # fmt: skip
+    say(memory.format_plan(rows, limit, devices, choice, why, heading))
+    return {"model": model, "image_size": image_size, "batch_size": batch_size,
+            "devices": devices, "device_memory": limit, "rows": memory.as_dict(rows),
+            "recommended": choice, "why": why}  # fmt: skip
+
+
 def check(
     nproc: int = 2,
     backend: str | None = None,

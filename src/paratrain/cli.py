@@ -429,6 +429,24 @@ def build_parser() -> argparse.ArgumentParser:
             "--calibrate, your own epoch times are fitted instead and nothing is measured.",
         )
     )
+    plan = sub.add_parser(
+        "plan",
+        help="memory per device for ddp, fsdp, pipeline and split; which fit, which to use",
+        description="Estimates, per device, the memory of parameters, gradients, optimizer "
+        "state and activations (fp32) for every strategy, from one profiled step at batch 2 "
+        "scaled to --batch-size; says which fit --device-memory and recommends the fastest "
+        "that fits.",
+    )
+    plan.add_argument("--model", default="resnet18")
+    plan.add_argument("--image-size", type=_positive_int, default=224)
+    plan.add_argument("--batch-size", type=_positive_int, default=16, help="per device")
+    plan.add_argument("--device-memory", required=True, help="per device, e.g. 16GB or 80GiB")
+    plan.add_argument("--devices", type=_positive_int, default=2, help="(default 2)")
+    plan.add_argument("--opt", choices=["sgd", "adamw"], default="sgd")
+    plan.add_argument("--microbatches", type=_positive_int, default=4, help="pipeline")
+    plan.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b", help="pipeline")
+    plan.add_argument("--classes", type=_positive_int, default=1000, help="(default 1000)")
+    plan.add_argument("--json", action="store_true", help="print the estimate as JSON")
     _add_slurm_flags(
         sub.add_parser(
             "slurm",
@@ -578,6 +596,15 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
         return _bench(args, argv)
     if args.command == "scale":
         return _scale(args)
+    if args.command == "plan":
+        from paratrain.api import plan
+
+        result = plan(args.model, args.image_size, args.batch_size, args.device_memory,
+                      args.devices, args.opt, args.microbatches, args.schedule, args.classes,
+                      say=(lambda _text: None) if args.json else print)  # fmt: skip
+        if args.json:
+            print(json.dumps(result))
+        return 0
     if args.command == "check":
         from paratrain.api import check
 

@@ -1,0 +1,90 @@
+"""`paratrain plan`: sizes, the estimate against a measured peak, the recommendation."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from paratrain.bench import memory
+from paratrain.errors import UserError
+from paratrain.models.registry import create_model
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("16GB", 16 * 2**30), ("16GiB", 16 * 2**30), ("512MB", 512 * 2**20), ("80", 80 * 2**30),
+     ("1.5g", int(1.5 * 2**30)), ("2T", 2 * 2**40)],
+)  # fmt: skip
+def test_device_memory_sizes(text, expected):
+    assert memory.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["lots", "16 GBs", "-2GB", "0GB", ""])
+def test_bad_device_memory_is_a_user_error(text):
+    with pytest.raises(UserError, match="--device-memory"):
+        memory.parse_size(text)
+
+
+def _measured(model: str, size: int, batch: int) -> int:
+    code = (
+        "import torch; torch.set_num_threads(2); from paratrain.bench import memory; "
+        f"print(memory.measure_training_peak({model!r}, {size}, {batch}, classes=10))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["resnet18", "resnet50"])
+def test_estimate_is_within_20_percent_of_the_measured_peak(model):
+    size, batch = 64, 16
+    rows = memory.estimate(create_model(model, 10, size), size, batch, 1, slots=1)
+    ddp = next(r for r in rows if r.strategy == "ddp")
+    measured = _measured(model, size, batch)
+    assert abs(ddp.total - measured) <= 0.2 * measured, (ddp.total, measured)
+    parameters = sum(p.numel() * 4 for p in create_model(model, 10, size).parameters())
+    assert ddp.parameters == ddp.gradients == ddp.optimizer == parameters  # SGD momentum: 1 slot
+
+
+def test_strategies_divide_memory_as_they_should():
+    model = create_model("resnet18", 10, 32)
+    rows = {r.strategy: r for r in memory.estimate(model, 32, 8, 4, slots=2)}
+    ddp, fsdp, pipe, split = rows["ddp"], rows["fsdp"], rows["pipeline"], rows["split"]
+    assert ddp.optimizer == 2 * ddp.parameters  # AdamW: two slots
+    assert fsdp.gradients == ddp.gradients // 4 and fsdp.optimizer == ddp.optimizer // 4
+    states = {k: r.parameters + r.gradients + r.optimizer for k, r in rows.items()}
+    assert states["fsdp"] < 0.5 * states["ddp"] and fsdp.activations == ddp.activations
+    assert split.parameters < ddp.parameters and split.activations < ddp.activations
+    assert pipe.parameters <= ddp.parameters and pipe.activations <= split.activations
+
+
+def test_recommendation_is_the_fastest_that_fits():
+    rows = [memory.DeviceMemory("ddp", 100, 100, 100, 700), memory.DeviceMemory("fsdp", 25, 25, 25, 700),
+            memory.DeviceMemory("pipeline", 50, 50, 50, 200), memory.DeviceMemory("split", 50, 50, 50, 300)]  # fmt: skip
+    assert memory.recommend(rows, 2000, 4)[0] == "ddp"
+    assert memory.recommend(rows, 900, 4)[0] == "fsdp"
+    assert memory.recommend(rows, 500, 4)[0] == "pipeline"
+    choice, why = memory.recommend(rows, 100, 4)
+    assert choice is None and "nothing fits" in why and "pipeline" in why
+    assert memory.recommend(rows, 900, 1)[0] is None  # one device: only ddp's layout exists
+
+
+@pytest.mark.slow
+def test_plan_cli_prints_every_strategy_and_json(tmp_path):
+    args = [sys.executable, "-m", "paratrain", "plan", "--model", "resnet18", "--image-size", "32",
+            "--batch-size", "8", "--device-memory", "64MB", "--devices", "2"]  # fmt: skip
+    text = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert text.returncode == 0, text.stderr
+    for strategy in ("ddp", "fsdp", "pipeline", "split"):
+        assert f"\n{strategy} " in text.stdout
+    assert "recommended: " in text.stdout
+    as_json = subprocess.run([*args, "--json"], capture_output=True, text=True, timeout=300)
+    result = json.loads(as_json.stdout)
+    fits = [r for r in result["rows"] if r["total"] <= result["device_memory"]]
+    assert result["recommended"] == (fits[0]["strategy"] if fits else None)
+    bad = subprocess.run([*args[:-4], "--device-memory", "lots"], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.count("paratrain: error") == 1
