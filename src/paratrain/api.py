@@ -321,10 +321,10 @@ def plan(
     say=print,
 ) -> dict:
     """`paratrain plan`: per-device memory of each strategy; which fit; the recommendation."""
+    import torch
+
     from paratrain.bench import memory
     from paratrain.models.registry import create_model
-
-    import torch
 
     limit = memory.parse_size(device_memory)
     torch.manual_seed(0)
