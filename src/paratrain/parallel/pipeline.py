@@ -137,12 +137,14 @@ def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime, memory_format) -
         raise AgreedUserError(str(exc)) from None
     # rank 0 measures and decides; timings differ between processes, the cut must not
     if runtime.is_main:
-        partition.measure(traced, profile_sample(cfg, torch.device("cpu"), memory_format))
+        micro = cfg.batch_size // cfg.microbatches  # what a stage computes at once
+        partition.measure(traced, profile_sample(cfg, torch.device("cpu"), memory_format, micro))
         if starts is None:
             starts = partition.balance([unit.seconds for unit in traced.units], stages)
         where = [f"rank {s}" + (f" (and {replicas - 1} replica(s))" if replicas > 1 else "")
                  for s in range(stages)]  # fmt: skip
-        get_logger().info(partition.format_plan(partition.describe(traced, starts), where, 2))
+        plans = partition.describe(traced, starts)
+        get_logger().info(partition.format_plan(plans, where, max(2, micro)))
     starts = comm.broadcast_object(starts)
     module = partition.build_stages(traced, starts)[stage].to(runtime.device)
     pipe_stage = PipelineStage(module, stage, stages, runtime.device, group=pipe_groups[replica])
