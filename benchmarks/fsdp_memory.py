@@ -15,8 +15,8 @@ import argparse
 import os
 
 import torch
-
 from _spawn import run as spawn
+
 from paratrain.config import TrainConfig
 from paratrain.dist.env import detect
 from paratrain.dist.runtime import Runtime

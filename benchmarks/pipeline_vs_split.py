@@ -20,8 +20,8 @@ import time
 
 import torch
 import torch.distributed as dist
-
 from _spawn import run as spawn
+
 from paratrain.config import TrainConfig
 from paratrain.dist.env import detect
 from paratrain.dist.runtime import Runtime
