@@ -52,15 +52,17 @@ def _eval_loader():
     return TensorDataset(x, y)
 
 
-def _reference(replicas: int, chunks: int):
+def _reference(replicas: int, chunks: int, whole: bool = False):
     """Single device: the batch of every replica, cut into ``chunks`` micro-batches each,
-    processed one by one; one SGD step on the mean of their losses."""
+    processed one by one; one SGD step on the mean of their losses. ``whole``: every
+    replica's batch at once (what synchronised BatchNorm computes)."""
     cfg = _config()
     model = build_model(cfg, CLASSES)
     optimizer = build_optimizer(parallelize(model, cfg, _runtime(1)), cfg, 1)
     start = {k: v.clone() for k, v in model.state_dict().items()}
     x, y = _data(replicas)
-    pieces = list(zip(x.chunk(replicas * chunks), y.chunk(replicas * chunks), strict=True))
+    count = 1 if whole else replicas * chunks
+    pieces = list(zip(x.chunk(count), y.chunk(count), strict=True))
     loss = sum(torch.nn.functional.cross_entropy(model(a), b) for a, b in pieces) / len(pieces)
     loss.backward()
     optimizer.step()
@@ -114,8 +116,10 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
 
 
-def _check(result: dict, replicas: int, chunks: int, buffers_exact: bool) -> None:
-    after, momentum, reference_eval = _reference(replicas, chunks)
+def _check(
+    result: dict, replicas: int, chunks: int, buffers_exact: bool, whole: bool = False
+) -> None:
+    after, momentum, reference_eval = _reference(replicas, chunks, whole)
     state = result["state"]
     assert set(state) == set(after)  # unified keys: the plain model's
     for key, expected in after.items():
@@ -162,3 +166,8 @@ def test_fsdp_two_processes_equals_one_device():
     results = run_distributed(_partitioned, 2, {"strategy": "fsdp"})
     _check(results[0], replicas=2, chunks=1, buffers_exact=False)
     assert results[1]["state"] == {} and results[1]["optimizer"] == {}  # gathered on rank 0
+
+
+def test_fsdp_with_synchronised_batchnorm_equals_one_device_on_the_whole_batch():
+    results = run_distributed(_partitioned, 2, {"strategy": "fsdp", "sync_bn": True})
+    _check(results[0], replicas=2, chunks=1, buffers_exact=True, whole=True)

@@ -97,6 +97,7 @@ def test_split_over_cpu_devices_trains(tmp_path):
         (["--strategy", "pipeline", "--nproc", "2", "--split-points", "layer9"],
          "--split-points: 'layer9' does not begin a unit"),
         (["--strategy", "fsdp", "--ema-decay", "0.9"], "--ema-decay works with --strategy ddp"),
+        (["--strategy", "fsdp"], "--strategy fsdp shards the model across processes"),
     ],
 )  # fmt: skip
 def test_bad_partitioning_flags_are_one_line(tmp_path, flags, message):

@@ -16,6 +16,7 @@ from torch import nn
 
 from paratrain.config import TrainConfig
 from paratrain.dist.runtime import Runtime
+from paratrain.errors import UserError
 from paratrain.parallel import ModelParts, unified
 
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
@@ -91,6 +92,11 @@ def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime, memory_format) -
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    if runtime.world_size < 2:
+        raise UserError(
+            "--strategy fsdp shards the model across processes; start 2 or more "
+            "(--nproc N, torchrun or srun)"
+        )
     full_names = unified.trainable_names(model)
     if cfg.sync_bn and runtime.world_size > 1:
         from paratrain.parallel import sync_batchnorm

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from paratrain.config import TrainConfig
+from paratrain.data.scan import AgreedUserError
 from paratrain.dist.runtime import Runtime
 from paratrain.errors import UserError
 from paratrain.parallel import partition
@@ -57,8 +58,8 @@ def profile_sample(
 def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime, memory_format):
     from paratrain.parallel import ModelParts
 
-    if runtime.world_size > 1:
-        raise UserError(
+    if runtime.world_size > 1:  # every rank alike: told once
+        raise AgreedUserError(
             "--strategy split runs in one process; use --strategy pipeline across processes"
         )
     devices = parse_devices(cfg.devices)
