@@ -98,7 +98,9 @@ def _partitioned(rank, world, overrides: dict):
 
     precision = Precision("32", torch.device("cpu"))
     parts.train()
-    loss, _ = parts.forward_backward(x[mine], y[mine], criterion, precision, 1)
+    accum = overrides.get("grad_accum", 1)
+    for xs, ys in zip(x[mine].chunk(accum), y[mine].chunk(accum), strict=True):
+        loss, _ = parts.forward_backward(xs, ys, criterion, precision, accum)
     parts.after_backward()
     optimizer.step()
     state = {k: v.clone() for k, v in parts.state_dict().items()}  # not views of the live model
@@ -160,6 +162,13 @@ def test_pipeline_two_stages_two_replicas_equals_one_device(schedule):
     _check(results[0], replicas=2, chunks=4, buffers_exact=False)
     # rank 3 is replica 1's last stage: its loss is its own half's
     assert results[3]["loss"] is not None and results[2]["loss"] is None
+
+
+def test_pipeline_accumulating_two_micro_steps_equals_one_device():
+    """--grad-accum 2: two schedule steps add their gradients before one optimizer step."""
+    overrides = {"strategy": "pipeline", "microbatches": 2, "grad_accum": 2}
+    results = run_distributed(_partitioned, 2, overrides)
+    _check(results[0], replicas=1, chunks=4, buffers_exact=True)
 
 
 def test_fsdp_two_processes_equals_one_device():

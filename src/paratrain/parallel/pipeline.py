@@ -29,13 +29,20 @@ from paratrain.report.log import get_logger
 
 
 class _Loss:
-    """The schedule's loss function; the loop sets the criterion and divisor per step."""
+    """The schedule's loss function; the loop sets the criterion and divisor per step.
+    Each micro-batch's mean loss is divided by the micro-batch count here rather than
+    by the schedule afterwards (its ``scale_grads`` divides every gradient the
+    parameters hold, so under gradient accumulation it would divide the earlier
+    micro-steps' share again)."""
 
     criterion: nn.Module | None = None
     divisor: int = 1
 
+    def __init__(self, microbatches: int):
+        self.microbatches = microbatches
+
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self.criterion(output, target) / self.divisor
+        return self.criterion(output, target) / (self.divisor * self.microbatches)
 
 
 class PipelineParts(ModelParts):
@@ -68,7 +75,8 @@ class PipelineParts(ModelParts):
                 self.schedule.step()
                 return None, None
             logits = self.schedule.step(target=targets, losses=losses)
-        loss = torch.stack([x.detach().float() for x in losses]).mean() * divisor
+        scale = divisor * self.loss.microbatches
+        loss = torch.stack([x.detach().float() for x in losses]).mean() * scale
         return loss, logits.detach()
 
     def after_backward(self) -> None:
@@ -148,11 +156,9 @@ def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime, memory_format) -
     starts = comm.broadcast_object(starts)
     module = partition.build_stages(traced, starts)[stage].to(runtime.device)
     pipe_stage = PipelineStage(module, stage, stages, runtime.device, group=pipe_groups[replica])
-    loss = _Loss()
+    loss = _Loss(cfg.microbatches)
     kind = ScheduleGPipe if cfg.schedule == "gpipe" else Schedule1F1B
-    # scale_grads: each micro-batch's loss is its mean, so the sum of their gradients
-    # is divided by M to make the batch's mean
-    schedule = kind(pipe_stage, n_microbatches=cfg.microbatches, loss_fn=loss, scale_grads=True)
+    schedule = kind(pipe_stage, n_microbatches=cfg.microbatches, loss_fn=loss, scale_grads=False)
     parts = PipelineParts(module, schedule, loss, stage, stages, dp_groups[stage], full_names)
     parts.replicas, parts.replica = replicas, replica
     parts.input_device = parts.output_device = runtime.device
