@@ -9,6 +9,7 @@ micro-batches one by one and averages their losses."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -99,8 +100,11 @@ def _partitioned(rank, world, overrides: dict):
     precision = Precision("32", torch.device("cpu"))
     parts.train()
     accum = overrides.get("grad_accum", 1)
-    for xs, ys in zip(x[mine].chunk(accum), y[mine].chunk(accum), strict=True):
-        loss, _ = parts.forward_backward(xs, ys, criterion, precision, accum)
+    pieces = list(zip(x[mine].chunk(accum), y[mine].chunk(accum), strict=True))
+    for index, (xs, ys) in enumerate(pieces):
+        last = index == len(pieces) - 1
+        with contextlib.nullcontext() if last else parts.no_sync():  # as the loop does
+            loss, _ = parts.forward_backward(xs, ys, criterion, precision, accum)
     parts.after_backward()
     optimizer.step()
     state = {k: v.clone() for k, v in parts.state_dict().items()}  # not views of the live model
@@ -175,6 +179,12 @@ def test_fsdp_two_processes_equals_one_device():
     results = run_distributed(_partitioned, 2, {"strategy": "fsdp"})
     _check(results[0], replicas=2, chunks=1, buffers_exact=False)
     assert results[1]["state"] == {} and results[1]["optimizer"] == {}  # gathered on rank 0
+
+
+def test_fsdp_accumulating_two_micro_steps_equals_one_device():
+    """--grad-accum 2: the first micro-step keeps its gradients unreduced (no_sync)."""
+    results = run_distributed(_partitioned, 2, {"strategy": "fsdp", "grad_accum": 2})
+    _check(results[0], replicas=2, chunks=2, buffers_exact=False)
 
 
 def test_fsdp_with_synchronised_batchnorm_equals_one_device_on_the_whole_batch():

@@ -11,6 +11,8 @@ distributed-checkpoint state-dict helpers), in the single-device layout.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -46,6 +48,16 @@ class FSDPParts(ModelParts):
 
     def collective_state(self) -> bool:
         return True
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation: the micro-steps before the last keep whole gradients
+        locally; the last reduce-scatters their sum once."""
+        self[0].set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self[0].set_requires_gradient_sync(True)
 
     def _options(self):
         from torch.distributed.checkpoint.state_dict import StateDictOptions
