@@ -159,6 +159,10 @@ def parallelize(
 
         return _placed(dp.apply(model, runtime), runtime)
     fmt = memory_format_for(model, cfg.memory_format, runtime.device)
+    if runtime.device.type == "cpu":  # before any wrapper: the modules themselves change
+        from paratrain.engine import small_maps
+
+        small_maps.apply(model)
     if cfg.strategy in ("fsdp", "pipeline"):
         # FSDP2 shards contiguous parameters only; the pipeline's receive buffers for
         # gradients take channels_last strides that gloo and NCCL refuse (torch 2.14)

@@ -1,0 +1,72 @@
+"""Convolutions over tiny feature maps as one matrix product, on CPU.
+
+Where a convolution's output is 2x2 pixels or smaller (ResNet's layer4 at 64 px, its
+layer3 and layer4 at 32 px and below), the CPU convolution kernels are far below their
+usual speed; unfolding the input (im2col) and multiplying by the weight matrix does the
+same arithmetic several times faster. Measured on a 2-core AMX CPU, forward + backward
+of a 3x3 convolution, batch 16: 512->512 channels at 2x2, 10.1 ms as a convolution,
+4.8 ms as a product (bf16; 16.4 vs 8.1 ms in fp32); 256->512 at stride 2 onto 2x2, 4.8
+vs 2.7 ms; but 256->256 at 4x4, 2.6 vs 3.1 ms — hence the 4-pixel limit. The weights and
+state dict are the module's own; only how its forward computes changes.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MAX_OUTPUT_PIXELS = 4
+
+
+def _output_size(size: int, kernel: int, stride: int, padding: int) -> int:
+    return (size + 2 * padding - kernel) // stride + 1
+
+
+def as_matrix_product(x: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
+    """``conv(x)`` computed as unfold @ weight (channels_last-strided output)."""
+    n, _, height, width = x.shape
+    cols = F.unfold(x, conv.kernel_size, padding=conv.padding, stride=conv.stride)
+    out = (
+        cols.transpose(1, 2).reshape(-1, cols.shape[1])
+        @ conv.weight.reshape(conv.out_channels, -1).t()
+    )
+    if conv.bias is not None:
+        out = out + conv.bias
+    rows = _output_size(height, conv.kernel_size[0], conv.stride[0], conv.padding[0])
+    columns = _output_size(width, conv.kernel_size[1], conv.stride[1], conv.padding[1])
+    return out.view(n, rows, columns, conv.out_channels).permute(0, 3, 1, 2)
+
+
+def _forward(self: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    if x.dim() == 4:
+        rows = _output_size(x.shape[2], self.kernel_size[0], self.stride[0], self.padding[0])
+        columns = _output_size(x.shape[3], self.kernel_size[1], self.stride[1], self.padding[1])
+        if rows * columns <= MAX_OUTPUT_PIXELS:
+            return as_matrix_product(x, self)
+    return self._conv_forward(x, self.weight, self.bias)
+
+
+def eligible(module: nn.Module) -> bool:
+    """Plain 2-D convolutions with a kernel larger than 1x1 (a 1x1 one is a product
+    already) and zero padding given in pixels."""
+    return (
+        type(module) is nn.Conv2d
+        and module.groups == 1
+        and module.dilation == (1, 1)
+        and module.padding_mode == "zeros"
+        and not isinstance(module.padding, str)
+        and module.kernel_size != (1, 1)
+    )
+
+
+def apply(model: nn.Module) -> int:
+    """Give every eligible convolution the small-map path; returns how many."""
+    count = 0
+    for module in model.modules():
+        if eligible(module):
+            module.forward = types.MethodType(_forward, module)
+            count += 1
+    return count

@@ -1,0 +1,58 @@
+"""Convolutions over tiny maps computed as one matrix product: same values, same grads."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+from paratrain.engine import small_maps
+
+
+@pytest.mark.parametrize(
+    "cin, cout, size, stride, padding, bias",
+    [(64, 32, 2, 1, 1, False), (32, 64, 4, 2, 1, True), (16, 16, 1, 1, 1, True),
+     (8, 8, 3, 2, 0, False), (8, 4, 4, 3, 1, True)],
+)  # fmt: skip
+def test_small_map_product_equals_the_convolution(cin, cout, size, stride, padding, bias):
+    torch.manual_seed(0)
+    conv = nn.Conv2d(cin, cout, 3, stride, padding, bias=bias).double()
+    fast = copy.deepcopy(conv)
+    assert small_maps.apply(fast) == 1
+    x = torch.randn(5, cin, size, size, dtype=torch.float64, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    expected, got = conv(x), fast(x2)
+    assert got.shape == expected.shape and got.shape[2] * got.shape[3] <= 4
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(expected)
+    expected.backward(grad)
+    got.backward(grad)
+    torch.testing.assert_close(x2.grad, x.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(fast.weight.grad, conv.weight.grad, rtol=1e-12, atol=1e-12)
+    if bias:
+        torch.testing.assert_close(fast.bias.grad, conv.bias.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_larger_maps_take_the_convolution_itself():
+    conv = nn.Conv2d(4, 4, 3, padding=1)
+    small_maps.apply(conv)
+    x = torch.randn(2, 4, 8, 8)
+    assert torch.equal(conv(x), conv._conv_forward(x, conv.weight, conv.bias))
+
+
+def test_only_plain_convolutions_change_and_the_state_dict_does_not():
+    model = torchvision.models.mobilenet_v3_small(num_classes=3)
+    before = list(model.state_dict())
+    changed = small_maps.apply(model)
+    plain = [m for m in model.modules() if small_maps.eligible(m)]
+    assert changed == len(plain) > 0
+    assert all(m.groups == 1 and m.kernel_size != (1, 1) for m in plain)
+    assert not any("forward" in vars(m) for m in model.modules() if isinstance(m, nn.Conv2d)
+                   and m.groups > 1)  # fmt: skip
+    assert list(model.state_dict()) == before
+    copied = copy.deepcopy(model)  # EMA copies the model: the copy computes with its own weights
+    conv = next(m for m in copied.modules() if small_maps.eligible(m))
+    assert conv.forward.__self__ is conv
