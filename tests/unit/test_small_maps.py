@@ -36,6 +36,15 @@ def test_small_map_product_equals_the_convolution(cin, cout, size, stride, paddi
         torch.testing.assert_close(fast.bias.grad, conv.bias.grad, rtol=1e-12, atol=1e-12)
 
 
+def test_the_output_keeps_the_input_memory_format():
+    conv = nn.Conv2d(8, 8, 3, padding=1)
+    small_maps.apply(conv)
+    x = torch.randn(2, 8, 2, 2)
+    assert conv(x).is_contiguous()
+    channels_last = conv(x.contiguous(memory_format=torch.channels_last))
+    assert channels_last.is_contiguous(memory_format=torch.channels_last)
+
+
 def test_larger_maps_take_the_convolution_itself():
     conv = nn.Conv2d(4, 4, 3, padding=1)
     small_maps.apply(conv)

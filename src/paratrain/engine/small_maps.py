@@ -26,7 +26,7 @@ def _output_size(size: int, kernel: int, stride: int, padding: int) -> int:
 
 
 def as_matrix_product(x: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
-    """``conv(x)`` computed as unfold @ weight (channels_last-strided output)."""
+    """``conv(x)`` computed as unfold @ weight, in ``x``'s memory format."""
     n, _, height, width = x.shape
     cols = F.unfold(x, conv.kernel_size, padding=conv.padding, stride=conv.stride)
     out = (
@@ -37,7 +37,8 @@ def as_matrix_product(x: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
         out = out + conv.bias
     rows = _output_size(height, conv.kernel_size[0], conv.stride[0], conv.padding[0])
     columns = _output_size(width, conv.kernel_size[1], conv.stride[1], conv.padding[1])
-    return out.view(n, rows, columns, conv.out_channels).permute(0, 3, 1, 2)
+    out = out.view(n, rows, columns, conv.out_channels).permute(0, 3, 1, 2)
+    return out.contiguous() if x.is_contiguous() else out  # the input's memory format
 
 
 def _forward(self: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:

@@ -169,9 +169,13 @@ def balance(costs: list[float], stages: int) -> list[int]:
     return starts[::-1]
 
 
-def build_stages(traced: Traced, starts: list[int]) -> list[fx.GraphModule]:
+def build_stages(
+    traced: Traced, starts: list[int], contiguous_outputs: bool = False
+) -> list[fx.GraphModule]:
     """One GraphModule per stage, holding the original submodules and parameters under
-    their original qualified names (GraphModule copies what its graph refers to)."""
+    their original qualified names (GraphModule copies what its graph refers to).
+    ``contiguous_outputs``: every stage but the last hands on a contiguous tensor (what
+    sending it to another process needs)."""
     nodes = list(traced.graph.graph.nodes)
     output = next(n for n in nodes if n.op == "output")
     bounds = [*starts, len(traced.units)]
@@ -190,6 +194,8 @@ def build_stages(traced: Traced, starts: list[int]) -> list[fx.GraphModule]:
         last = chosen[-1]
         if stage == len(starts) - 1:
             graph.output(fx.map_arg(output.args[0], env.__getitem__))
+        elif contiguous_outputs:
+            graph.output(graph.call_method("contiguous", (env[last],)))
         else:
             graph.output(env[last])
         stages.append(fx.GraphModule(traced.graph, graph, class_name=f"Stage{stage}"))

@@ -154,7 +154,8 @@ def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime, memory_format) -
         plans = partition.describe(traced, starts)
         get_logger().info(partition.format_plan(plans, where, max(2, micro)))
     starts = comm.broadcast_object(starts)
-    module = partition.build_stages(traced, starts)[stage].to(runtime.device)
+    module = partition.build_stages(traced, starts, contiguous_outputs=True)[stage]
+    module = module.to(runtime.device)
     pipe_stage = PipelineStage(module, stage, stages, runtime.device, group=pipe_groups[replica])
     loss = _Loss(cfg.microbatches)
     kind = ScheduleGPipe if cfg.schedule == "gpipe" else Schedule1F1B
