@@ -181,6 +181,15 @@ class TrainConfig:
                 "--strategy split runs in one process over --devices; leave out --nproc "
                 "(--strategy pipeline runs stages in separate processes)"
             )
+        if (
+            self.strategy == "pipeline"
+            and self.schedule == "1f1b"
+            and self.microbatches < self.stages
+        ):
+            raise UserError(
+                f"--schedule 1f1b needs at least as many micro-batches as stages "
+                f"(--microbatches {self.microbatches}, --stages {self.stages})"
+            )
         if self.strategy == "pipeline" and self.batch_size % self.microbatches:
             raise UserError(
                 f"--batch-size {self.batch_size} must divide into --microbatches "

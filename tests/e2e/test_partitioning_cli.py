@@ -93,6 +93,7 @@ def test_split_over_cpu_devices_trains(tmp_path):
         (["--strategy", "split", "--devices", "cpu"], "needs --devices with at least 2 devices"),
         (["--strategy", "split", "--devices", "cpu,gpu0"], "--devices: not a device name: 'gpu0'"),
         (["--strategy", "pipeline", "--microbatches", "3"], "must divide into --microbatches 3"),
+        (["--strategy", "pipeline", "--microbatches", "1"], "1f1b needs at least as many"),
         (["--strategy", "pipeline", "--nproc", "3"], "3 process(es) do not divide into 2 stages"),
         (["--strategy", "pipeline", "--nproc", "2", "--split-points", "layer9"],
          "--split-points: 'layer9' does not begin a unit"),
