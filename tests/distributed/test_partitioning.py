@@ -107,6 +107,8 @@ def _partitioned(rank, world, overrides: dict):
             loss, _ = parts.forward_backward(xs, ys, criterion, precision, accum)
     parts.after_backward()
     optimizer.step()
+    parts.agree_buffers()
+    buffers = {k: v.clone() for p in parts.unwrapped() for k, v in p.named_buffers()}
     state = {k: v.clone() for k, v in parts.state_dict().items()}  # not views of the live model
     opt_state = parts.optimizer_state_dict(optimizer)
     parts.load_state_dict(start)
@@ -114,7 +116,7 @@ def _partitioned(rank, world, overrides: dict):
     sampler = ShardedEvalSampler(len(dataset), parts.replica, parts.replicas)
     result = evaluate(parts, DataLoader(dataset, batch_size=BATCH, sampler=sampler),
                       torch.device("cpu"), CLASSES)  # fmt: skip
-    return {"state": state, "optimizer": opt_state, "eval": result, "loss": loss,
+    return {"state": state, "optimizer": opt_state, "eval": result, "loss": loss, "buffers": buffers,
             "stages": len(parts) if overrides["strategy"] == "split" else None}  # fmt: skip
 
 
@@ -166,6 +168,9 @@ def test_pipeline_two_stages_two_replicas_equals_one_device(schedule):
     _check(results[0], replicas=2, chunks=4, buffers_exact=False)
     # rank 3 is replica 1's last stage: its loss is its own half's
     assert results[3]["loss"] is not None and results[2]["loss"] is None
+    for replica_0, replica_1 in ((0, 2), (1, 3)):  # a stage's copies agree on its buffers
+        first, second = results[replica_0]["buffers"], results[replica_1]["buffers"]
+        assert first and all(torch.equal(first[k], second[k]) for k in first)
 
 
 def test_pipeline_accumulating_two_micro_steps_equals_one_device():
@@ -178,6 +183,8 @@ def test_pipeline_accumulating_two_micro_steps_equals_one_device():
 def test_fsdp_two_processes_equals_one_device():
     results = run_distributed(_partitioned, 2, {"strategy": "fsdp"})
     _check(results[0], replicas=2, chunks=1, buffers_exact=False)
+    first, second = results[0]["buffers"], results[1]["buffers"]  # rank 0's statistics
+    assert first and all(torch.equal(first[k], second[k]) for k in first)
     assert results[1]["state"] == {} and results[1]["optimizer"] == {}  # gathered on rank 0
 
 

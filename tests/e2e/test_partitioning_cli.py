@@ -50,12 +50,14 @@ def test_pipeline_prints_its_plan_and_saves_the_single_device_layout(runs):
     assert state["world_size"] == 1 and state["processes"] == 2 and state["strategy"] == "pipeline"
 
 
-def test_a_pipeline_checkpoint_evaluates_alike_in_one_process(runs):
-    root, data, pipe, *_ = runs
+@pytest.mark.parametrize("name", ["pipe", "fsdp"])
+def test_a_partitioned_checkpoint_evaluates_alike_in_one_process(runs, name):
+    root, data, pipe, fsdp, _ = runs
     assert pipe.returncode == 0, pipe.stderr
-    row = _metrics(root, "pipe")[-1]
-    done = run_cli("eval", "--checkpoint", "runs/pipe/checkpoints/last.pt", "--data", str(data),
-                   "--batch-size", "4", "--json", cwd=root)  # fmt: skip
+    assert fsdp.returncode == 0, fsdp.stderr
+    row = _metrics(root, name)[-1]
+    done = run_cli("eval", "--checkpoint", f"runs/{name}/checkpoints/last.pt", "--data",
+                   str(data), "--batch-size", "4", "--json", cwd=root)  # fmt: skip
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["count"] == row["val_count"] == 6

@@ -395,6 +395,7 @@ def fit(cfg: TrainConfig, rt: Runtime) -> dict:
             train_seconds = train_one_epoch(
                 parts, train_loader, optimizer, rt, control, progress, bar, recipe
             )
+            parts.agree_buffers()
             with recipe.precision.autocast():
                 result = evaluate(parts, val_loader, parts.input_device, len(split.classes))
                 if recipe.ema is not None:

@@ -84,6 +84,11 @@ class ModelParts(list):
     def after_backward(self) -> None:
         """Called once the step's gradients are complete, before the optimizer step."""
 
+    def agree_buffers(self) -> None:
+        """Before evaluating and saving: every copy of the model takes the first copy's
+        buffers (BatchNorm statistics), so the sharded evaluation and the checkpoint see
+        one model. DDP does this at every forward itself."""
+
     def collective_state(self) -> bool:
         """Whether gathering the state needs every rank (sharded or staged parameters)."""
         return False

@@ -49,6 +49,14 @@ class FSDPParts(ModelParts):
     def collective_state(self) -> bool:
         return True
 
+    def agree_buffers(self) -> None:
+        """FSDP shards parameters, not buffers: each process's BatchNorm statistics follow
+        its own data. Rank 0's are taken, as DDP's broadcast does."""
+        import torch.distributed as dist
+
+        for buffer in self[0].buffers():
+            dist.broadcast(buffer, src=0)
+
     @contextlib.contextmanager
     def no_sync(self):
         """Gradient accumulation: the micro-steps before the last keep whole gradients

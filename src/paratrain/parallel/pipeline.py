@@ -92,6 +92,13 @@ class PipelineParts(ModelParts):
             grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
             offset += grad.numel()
 
+    def agree_buffers(self) -> None:
+        """Each stage's copies take replica 0's buffers (BatchNorm statistics)."""
+        if self.replicas == 1:
+            return
+        for buffer in self[0].buffers():
+            dist.broadcast(buffer, src=self.stage, group=self.dp_group)  # replica 0's rank
+
     def collective_state(self) -> bool:
         return True
 
