@@ -9,17 +9,13 @@ DDP + SyncBatchNorm vs DDP + plain BatchNorm, measured side by side in one run
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import socket
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _spawn import run as spawn
 from torch import nn
 
 from paratrain.parallel.sync_batchnorm import SyncBatchNorm
@@ -37,14 +33,9 @@ def _time_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int) 
     return times
 
 
-def _worker(rank: int, world: int, port: int, args, out: str) -> None:
+def _worker(rank: int, world: int, args) -> dict[str, list[float]]:
     import torchvision
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
-    )
     torch.manual_seed(0)
     base = torchvision.models.resnet18(num_classes=10)
     models = {
@@ -61,9 +52,7 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
     for _ in range(args.rounds):  # alternate, so drift in machine load hits both alike
         for name, model in models.items():
             samples[name] += _time_steps(model, x, y, args.steps)
-    if rank == 0:
-        torch.save(samples, Path(out) / "samples.pt")
-    dist.destroy_process_group()
+    return samples
 
 
 def main() -> None:
@@ -74,14 +63,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--nproc", type=int, default=2)
     args = parser.parse_args()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(
-            _worker, args=(args.nproc, port, args, out), nprocs=args.nproc, start_method="spawn"
-        )
-        samples = torch.load(Path(out) / "samples.pt")
+    threads = max(1, (os.cpu_count() or 2) // args.nproc)
+    samples = spawn(_worker, args.nproc, threads, args)[0]
     plain = statistics.median(samples["batchnorm"])
     synced = statistics.median(samples["syncbn"])
     print(

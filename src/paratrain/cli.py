@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from paratrain.config import STRATEGIES
 from paratrain.errors import UserError
 
 S = argparse.SUPPRESS  # flags the user did not give stay absent, so presets can fill them
@@ -169,7 +170,7 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     )
     par.add_argument(
         "--strategy",
-        choices=["ddp", "dp", "fsdp", "split", "pipeline"],
+        choices=list(STRATEGIES),
         default=S,
         help="ddp: DistributedDataParallel, one process per device (default); dp: legacy "
         "DataParallel, one process over every visible GPU; fsdp: parameters, gradients and "

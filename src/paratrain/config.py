@@ -211,6 +211,12 @@ class TrainConfig:
                 f"{self.strategy}; use bf16-mixed or 32"
             )
 
+    def split_point_list(self) -> list[str] | None:
+        """--split-points as a list of unit names (None: balance automatically)."""
+        if not self.split_points:
+            return None
+        return [point.strip() for point in self.split_points.split(",") if point.strip()]
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -88,7 +88,7 @@ def estimate(
     model_name: str = "model",
 ) -> list[DeviceMemory]:
     """The most any one device needs, for each strategy at ``devices`` devices."""
-    sample = torch.randn(PROFILE_BATCH, 3, image_size, image_size)
+    sample = partition.sample_images(image_size, PROFILE_BATCH)
     traced, starts = partition.plan_stages(model, devices, sample, model_name=model_name)
     scale = batch / PROFILE_BATCH
     units = traced.units
@@ -119,8 +119,7 @@ def estimate(
             "(one computing, one prefetched)",
         )  # fmt: skip
     )
-    bounds = [*starts, len(units)]
-    stages = [units[bounds[s] : bounds[s + 1]] for s in range(len(starts))]
+    stages = partition.stage_units(traced, starts)
     for strategy in ("pipeline", "split"):
         worst = None
         for index, stage in enumerate(stages):
@@ -145,10 +144,13 @@ def _bytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
+def fits(row: DeviceMemory, device_memory: int, devices: int) -> bool:
+    """Within the device's memory, and possible there (one device: only ddp's layout)."""
+    return row.total <= device_memory and (devices > 1 or row.strategy == "ddp")
+
+
 def recommend(rows: list[DeviceMemory], device_memory: int, devices: int) -> tuple[str | None, str]:
-    fitting = {r.strategy for r in rows if r.total <= device_memory}
-    if devices < 2:
-        fitting &= {"ddp"}
+    fitting = {r.strategy for r in rows if fits(r, device_memory, devices)}
     for strategy in ORDER:
         if strategy in fitting:
             return strategy, WHY[strategy]
@@ -171,12 +173,12 @@ def format_plan(
     lines = [heading, f"{'strategy':<9} {'params':>9} {'grads':>9} {'optim':>9} "
              f"{'activ.':>9} {'total':>10}  fits {_gib(device_memory)}"]  # fmt: skip
     for r in rows:
-        fits = "yes" if r.total <= device_memory and (devices > 1 or r.strategy == "ddp") else "no"
+        verdict = "yes" if fits(r, device_memory, devices) else "no"
         if devices < 2 and r.strategy != "ddp":
-            fits = "no (needs 2+ devices)"
+            verdict = "no (needs 2+ devices)"
         lines.append(
             f"{r.strategy:<9} {_mib(r.parameters)} {_mib(r.gradients)} {_mib(r.optimizer)} "
-            f"{_mib(r.activations)} {_gib(r.total):>10}  {fits}  ({r.detail})"
+            f"{_mib(r.activations)} {_gib(r.total):>10}  {verdict}  ({r.detail})"
         )
     lines.append(f"recommended: {choice} — {why}" if choice else f"recommended: none — {why}")
     return "\n".join(lines)

@@ -190,14 +190,11 @@ class Checkpointer:
 
     def save(self, progress: Progress, val_top1: float | None = None) -> None:
         rng = gathered_rng_states()  # a collective: every rank takes part
-        if self.parts.collective_state():  # staged or sharded: every rank gives its part
+        if self.rt.is_main or self.parts.collective_state:  # staged or sharded: all give
             model = self.parts.state_dict()
             optimizer = self.parts.optimizer_state_dict(self.optimizer)
         if not self.rt.is_main:
             return
-        if not self.parts.collective_state():
-            model = self.parts.state_dict()
-            optimizer = self.parts.optimizer_state_dict(self.optimizer)
         state = {
             "model": model,
             "ema": self.ema.state_dict() if self.ema is not None else None,

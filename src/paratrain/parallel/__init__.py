@@ -52,13 +52,13 @@ class ModelParts(list):
     """
 
     memory_format = torch.contiguous_format  # what inputs are converted to
-    input_device: torch.device | None = None  # where images go (None: the runtime's device)
-    output_device: torch.device | None = None  # where logits come out, and labels go
     devices: list[torch.device] | None = None  # one per part when parts sit on devices
+    input_device: torch.device | None = None  # where images go (set by parallelize)
+    output_device: torch.device | None = None  # where logits come out, and labels go
     replicas: int | None = None  # data-parallel copies of the model (None: the world size)
     replica: int | None = None  # which copy this process belongs to (None: its rank)
-    produces_output = True  # False on pipeline stages before the last
     fixed_batch = False  # True where every training batch must have the full size
+    collective_state = False  # True where gathering the state needs every rank
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
         out = inputs
@@ -88,10 +88,6 @@ class ModelParts(list):
         """Before evaluating and saving: every copy of the model takes the first copy's
         buffers (BatchNorm statistics), so the sharded evaluation and the checkpoint see
         one model. DDP does this at every forward itself."""
-
-    def collective_state(self) -> bool:
-        """Whether gathering the state needs every rank (sharded or staged parameters)."""
-        return False
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         """Indexed like a single-device optimizer over the whole model's parameters."""
@@ -191,11 +187,12 @@ def parallelize(
 
 
 def _placed(parts: ModelParts, runtime: Runtime) -> ModelParts:
-    """Defaults for data parallelism: every process a replica, inputs on its device."""
+    """Where inputs go and labels meet the logits: the first and last part's devices, or
+    the runtime's; without model copies of its own, every process is a replica."""
     if parts.replicas is None:
         parts.replicas, parts.replica = runtime.world_size, runtime.rank
-    if parts.input_device is None:
-        parts.input_device = parts.output_device = runtime.device
+    devices = parts.devices or [runtime.device]
+    parts.input_device, parts.output_device = devices[0], devices[-1]
     return parts
 
 

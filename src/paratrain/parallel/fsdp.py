@@ -42,12 +42,11 @@ def blocks(model: nn.Module) -> list[nn.Module]:
 
 
 class FSDPParts(ModelParts):
+    collective_state = True  # each rank holds a shard
+
     def __init__(self, model: nn.Module, full_names: list[str]):
         super().__init__([model])
         self.full_names = full_names
-
-    def collective_state(self) -> bool:
-        return True
 
     def agree_buffers(self) -> None:
         """FSDP shards parameters, not buffers: each process's BatchNorm statistics follow
@@ -127,6 +126,4 @@ def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime, memory_format) -
     for block in blocks(model):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    parts = FSDPParts(model, full_names)
-    parts.input_device = parts.output_device = runtime.device
-    return parts
+    return FSDPParts(model, full_names)

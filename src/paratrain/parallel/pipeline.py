@@ -24,7 +24,6 @@ from paratrain.dist import comm
 from paratrain.dist.runtime import Runtime
 from paratrain.errors import UserError
 from paratrain.parallel import ModelParts, partition, unified
-from paratrain.parallel.split import profile_sample, split_points
 from paratrain.report.log import get_logger
 
 
@@ -47,6 +46,7 @@ class _Loss:
 
 class PipelineParts(ModelParts):
     fixed_batch = True  # the stages' buffers are sized by the first micro-batches
+    collective_state = True  # each rank holds one stage
 
     def __init__(self, module, schedule, loss, stage, stages, dp_group, full_names):
         super().__init__([module])
@@ -54,7 +54,6 @@ class PipelineParts(ModelParts):
         self.dp_group, self.full_names = dp_group, full_names
         self.local_names = unified.trainable_names(module)
         self.first, self.last = stage == 0, stage == stages - 1
-        self.produces_output = self.last
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor | None:
         """Forward only (evaluation): the logits on the last stage, None before it."""
@@ -98,9 +97,6 @@ class PipelineParts(ModelParts):
             return
         for buffer in self[0].buffers():
             dist.broadcast(buffer, src=self.stage, group=self.dp_group)  # replica 0's rank
-
-    def collective_state(self) -> bool:
-        return True
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Rank 0 gets the whole model's state dict (replica 0's stages); others {}."""
@@ -147,13 +143,13 @@ def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime, memory_format) -
     full_names = unified.trainable_names(model)
     try:  # the same model and flags on every rank: the same error, told once
         traced = partition.trace(model, cfg.model)
-        starts = partition.user_starts(traced, stages, split_points(cfg), cfg.model)
+        starts = partition.user_starts(traced, stages, cfg.split_point_list(), cfg.model)
     except UserError as exc:
         raise AgreedUserError(str(exc)) from None
     # rank 0 measures and decides; timings differ between processes, the cut must not
     if runtime.is_main:
         micro = cfg.batch_size // cfg.microbatches  # what a stage computes at once
-        partition.measure(traced, profile_sample(cfg, torch.device("cpu"), memory_format, micro))
+        partition.measure(traced, partition.sample_images(cfg.image_size, micro, memory_format))
         if starts is None:
             starts = partition.balance([unit.seconds for unit in traced.units], stages)
         where = [f"rank {s}" + (f" (and {replicas - 1} replica(s))" if replicas > 1 else "")
@@ -169,5 +165,4 @@ def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime, memory_format) -
     schedule = kind(pipe_stage, n_microbatches=cfg.microbatches, loss_fn=loss, scale_grads=False)
     parts = PipelineParts(module, schedule, loss, stage, stages, dp_groups[stage], full_names)
     parts.replicas, parts.replica = replicas, replica
-    parts.input_device = parts.output_device = runtime.device
     return parts

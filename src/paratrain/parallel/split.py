@@ -37,24 +37,6 @@ def parse_devices(text: str | None) -> list[torch.device]:
     return devices
 
 
-def split_points(cfg: TrainConfig) -> list[str] | None:
-    return (
-        [p.strip() for p in cfg.split_points.split(",") if p.strip()] if cfg.split_points else None
-    )
-
-
-def profile_sample(
-    cfg: TrainConfig, device: torch.device, memory_format, batch: int
-) -> torch.Tensor:
-    """Random images of the run's size, as many as a stage will compute at once: where
-    the time goes depends on the batch (measured, ResNet-18 at 64 px: at 2 images the
-    last blocks, with most of the weights, weigh as much as the first three layers; at 8
-    the first layers, with the largest maps, take two thirds)."""
-    generator = torch.Generator().manual_seed(0)
-    sample = torch.randn(max(2, batch), 3, cfg.image_size, cfg.image_size, generator=generator)
-    return sample.to(device, memory_format=memory_format)
-
-
 def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime, memory_format):
     from paratrain.parallel import ModelParts
 
@@ -64,9 +46,9 @@ def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime, memory_format):
         )
     devices = parse_devices(cfg.devices)
     # profiled on the CPU, where the whole model is (it may not fit any one device)
-    sample = profile_sample(cfg, torch.device("cpu"), memory_format, cfg.batch_size)
+    sample = partition.sample_images(cfg.image_size, cfg.batch_size, memory_format)
     traced, starts = partition.plan_stages(
-        model, len(devices), sample, split_points(cfg), model_name=cfg.model
+        model, len(devices), sample, cfg.split_point_list(), model_name=cfg.model
     )
     get_logger().info(
         partition.format_plan(
@@ -76,5 +58,4 @@ def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime, memory_format):
     stages = partition.build_stages(traced, starts)
     parts = ModelParts(stage.to(device) for stage, device in zip(stages, devices, strict=True))
     parts.devices = devices
-    parts.input_device, parts.output_device = devices[0], devices[-1]
     return parts
