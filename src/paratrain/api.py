@@ -324,13 +324,14 @@ def plan(
     import torch
 
     from paratrain.bench import memory
+    from paratrain.engine.recipe import optimizer_slots
     from paratrain.models.registry import create_model
 
     limit = memory.parse_size(device_memory)
     torch.manual_seed(0)
     net = create_model(model, classes, image_size)
     rows = memory.estimate(net, image_size, batch_size, devices,
-                           memory.optimizer_slots(opt, momentum), microbatches, schedule,
+                           optimizer_slots(opt, momentum), microbatches, schedule,
                            model_name=model)  # fmt: skip
     choice, why = memory.recommend(rows, limit, devices)
     heading = (f"{model} at {image_size}px, batch {batch_size} per device, {opt}, fp32, "

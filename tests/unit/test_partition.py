@@ -168,3 +168,24 @@ def test_fsdp_units_are_the_blocks_inside_containers():
     model = torchvision.models.resnet18(num_classes=5)
     blocks = fsdp.blocks(model)
     assert blocks == [*model.layer1, *model.layer2, *model.layer3, *model.layer4]
+
+
+def test_balance_keeps_every_stage_within_the_device_memory():
+    costs = [1.0, 1.0, 1.0, 1.0, 4.0, 3.0]
+    sizes = [10.0, 10.0, 10.0, 10.0, 1.0, 1.0]
+    assert partition.balance(costs, 2) == [0, 4]  # by time alone 4 | 7, but 40 bytes | 2
+    fitted = partition.balance(costs, 2, sizes, limit=25.0)
+    bounds = [*fitted, len(costs)]
+    groups = list(itertools.pairwise(bounds))
+    assert all(sum(sizes[a:b]) <= 25.0 for a, b in groups)
+    assert fitted == [0, 2]  # 20 bytes | 22 bytes: the fastest cut that fits
+    with pytest.raises(UserError, match="no cut into 2 stages fits"):
+        partition.balance(costs, 2, sizes, limit=15.0)
+
+
+def test_training_bytes_count_weights_gradients_optimizer_and_scaled_activations():
+    model = torchvision.models.resnet18(num_classes=5)
+    traced, _ = partition.plan_stages(model, 2, partition.sample_images(32, 2))
+    sizes = partition.training_bytes(traced, batch=8, slots=1)
+    for unit, size in zip(traced.units, sizes, strict=True):
+        assert size == pytest.approx(3 * unit.parameter_bytes + 4 * unit.activation_bytes)

@@ -70,13 +70,6 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
-def optimizer_slots(opt: str, momentum: float) -> int:
-    """Tensors of optimizer state per parameter."""
-    if opt == "adamw":
-        return 2
-    return 1 if momentum > 0 else 0
-
-
 def estimate(
     model: nn.Module,
     image_size: int,

@@ -32,6 +32,13 @@ def build_optimizer(parts: ModelParts, cfg: TrainConfig, world_size: int) -> tor
     )
 
 
+def optimizer_slots(opt: str, momentum: float) -> int:
+    """Tensors of optimizer state per parameter: AdamW's two moments, SGD's momentum."""
+    if opt == "adamw":
+        return 2
+    return 1 if momentum > 0 else 0
+
+
 def build_criterion(cfg: TrainConfig) -> nn.Module:
     """Cross-entropy; it takes class indices, or class probabilities after MixUp/CutMix."""
     return nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)

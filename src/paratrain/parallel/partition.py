@@ -41,6 +41,7 @@ class Unit:
 class Traced:
     graph: fx.GraphModule
     units: list[Unit]
+    profiled_batch: int = 0  # the batch the activation bytes were measured at
 
     @property
     def names(self) -> list[str]:
@@ -143,15 +144,24 @@ def stage_starts(units: list[str], split_points: list[str], stages: int) -> list
     return starts
 
 
-def balance(costs: list[float], stages: int) -> list[int]:
+def balance(
+    costs: list[float],
+    stages: int,
+    sizes: list[float] | None = None,
+    limit: float | None = None,
+) -> list[int]:
     """Start indices of ``stages`` contiguous groups minimising the costliest group (the
-    pipeline's throughput is set by its slowest stage); dynamic programming, exact."""
+    pipeline's throughput is set by its slowest stage); dynamic programming, exact. With
+    ``sizes`` (bytes a unit needs) and ``limit`` (bytes a device has), only groups that
+    fit are allowed; a UserError when no cut fits."""
     n = len(costs)
     if stages > n:
         raise UserError(f"{stages} stages asked for, but the model has only {n} units")
-    prefix = [0.0]
-    for cost in costs:
+    prefix, used = [0.0], [0.0]
+    for cost, size in zip(costs, sizes or [0.0] * n, strict=True):
         prefix.append(prefix[-1] + cost)
+        used.append(used[-1] + size)
+    room = float("inf") if limit is None else limit
     inf = float("inf")
     # best[k][i]: the least possible maximum for the first i units in k groups
     best = [[inf] * (n + 1) for _ in range(stages + 1)]
@@ -160,9 +170,17 @@ def balance(costs: list[float], stages: int) -> list[int]:
     for k in range(1, stages + 1):
         for i in range(k, n + 1):
             for j in range(k - 1, i):
+                if used[i] - used[j] > room:
+                    continue  # this group would not fit one device
                 value = max(best[k - 1][j], prefix[i] - prefix[j])
                 if value < best[k][i] - 1e-15:
                     best[k][i], cut[k][i] = value, j
+    if best[stages][n] == inf:
+        raise UserError(
+            f"no cut into {stages} stages fits {limit / 2**30:.2f} GiB per device (the "
+            f"model needs {used[-1] / 2**30:.2f} GiB in all); use more stages, a smaller "
+            "--batch-size, or --strategy fsdp"
+        )
     starts, i = [], n
     for k in range(stages, 0, -1):
         i = cut[k][i]
@@ -325,10 +343,33 @@ def measure(traced: Traced, sample: torch.Tensor) -> None:
     traced.graph.train()
     with torch.random.fork_rng(devices=[]):
         profile(traced, sample)
+    traced.profiled_batch = len(sample)
     traced.graph.train(was_training)
     with torch.no_grad():
         for name, buffer in traced.graph.named_buffers():
             buffer.copy_(buffers[name])
+
+
+def training_bytes(traced: Traced, batch: int, slots: int) -> list[float]:
+    """Per unit, what training it needs: weights, their gradients and ``slots`` optimizer
+    tensors each, and its activations at ``batch`` (scaled from the profiled batch)."""
+    scale = batch / max(traced.profiled_batch, 1)
+    return [u.parameter_bytes * (2 + slots) + u.activation_bytes * scale for u in traced.units]
+
+
+def device_memory(device: torch.device) -> int | None:
+    """A CUDA device's memory in bytes; None on the CPU (no limit is known)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory
+
+
+def choose_starts(
+    traced: Traced, stages: int, batch: int, slots: int, limit: int | None
+) -> list[int]:
+    """Balanced by measured time, every stage within ``limit`` bytes of memory."""
+    sizes = training_bytes(traced, batch, slots)
+    return balance([unit.seconds for unit in traced.units], stages, sizes, limit)
 
 
 def plan_stages(
@@ -337,12 +378,16 @@ def plan_stages(
     sample: torch.Tensor,
     split_points: list[str] | None = None,
     model_name: str = "model",
+    batch: int | None = None,
+    slots: int = 1,
+    limit: int | None = None,
 ) -> tuple[Traced, list[int]]:
     """Trace, profile and choose where the stages start: the user's split points, or
-    balanced by measured time. The profile runs on ``sample``'s device."""
+    balanced by measured time with every stage's training memory at ``batch`` within
+    ``limit``. The profile runs on ``sample``'s device."""
     traced = trace(model, model_name)
     starts = user_starts(traced, stages, split_points, model_name)
     measure(traced, sample)
     if starts is None:
-        starts = balance([unit.seconds for unit in traced.units], stages)
+        starts = choose_starts(traced, stages, batch or len(sample), slots, limit)
     return traced, starts

@@ -22,6 +22,7 @@ from paratrain.config import TrainConfig
 from paratrain.data.scan import AgreedUserError
 from paratrain.dist import comm
 from paratrain.dist.runtime import Runtime
+from paratrain.engine.recipe import optimizer_slots
 from paratrain.errors import UserError
 from paratrain.parallel import ModelParts, partition, unified
 from paratrain.report.log import get_logger
@@ -150,8 +151,10 @@ def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime, memory_format) -
     if runtime.is_main:
         micro = cfg.batch_size // cfg.microbatches  # what a stage computes at once
         partition.measure(traced, partition.sample_images(cfg.image_size, micro, memory_format))
-        if starts is None:
-            starts = partition.balance([unit.seconds for unit in traced.units], stages)
+        if starts is None:  # the whole batch's activations: GPipe's case, 1F1B's bound
+            slots = optimizer_slots(cfg.opt, cfg.momentum)
+            limit = partition.device_memory(runtime.device)
+            starts = partition.choose_starts(traced, stages, cfg.batch_size, slots, limit)
         where = [f"rank {s}" + (f" (and {replicas - 1} replica(s))" if replicas > 1 else "")
                  for s in range(stages)]  # fmt: skip
         plans = partition.describe(traced, starts)

@@ -11,6 +11,7 @@ from torch import nn
 from paratrain.config import TrainConfig
 from paratrain.data.scan import AgreedUserError
 from paratrain.dist.runtime import Runtime
+from paratrain.engine.recipe import optimizer_slots
 from paratrain.errors import UserError
 from paratrain.parallel import partition
 from paratrain.report.log import get_logger
@@ -47,9 +48,12 @@ def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime, memory_format):
     devices = parse_devices(cfg.devices)
     # profiled on the CPU, where the whole model is (it may not fit any one device)
     sample = partition.sample_images(cfg.image_size, cfg.batch_size, memory_format)
+    limits = [partition.device_memory(device) for device in devices]
     traced, starts = partition.plan_stages(
-        model, len(devices), sample, cfg.split_point_list(), model_name=cfg.model
-    )
+        model, len(devices), sample, cfg.split_point_list(), model_name=cfg.model,
+        slots=optimizer_slots(cfg.opt, cfg.momentum),
+        limit=min(limits) if None not in limits else None,
+    )  # fmt: skip
     get_logger().info(
         partition.format_plan(
             partition.describe(traced, starts), [str(d) for d in devices], len(sample)
