@@ -12,17 +12,21 @@ from torch import nn
 from paratrain.engine import small_maps
 
 
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
 @pytest.mark.parametrize(
     "cin, cout, size, stride, padding, bias",
     [(64, 32, 2, 1, 1, False), (32, 64, 4, 2, 1, True), (16, 16, 1, 1, 1, True),
      (8, 8, 3, 2, 0, False), (8, 4, 4, 3, 1, True)],
 )  # fmt: skip
-def test_small_map_product_equals_the_convolution(cin, cout, size, stride, padding, bias):
+def test_small_map_product_equals_the_convolution(cin, cout, size, stride, padding, bias, fmt):
+    """Both column orders: (C, kh, kw) for contiguous weights, (kh, kw, C) for
+    channels_last ones (each the order the weight lies in memory)."""
     torch.manual_seed(0)
-    conv = nn.Conv2d(cin, cout, 3, stride, padding, bias=bias).double()
+    conv = nn.Conv2d(cin, cout, 3, stride, padding, bias=bias).double().to(memory_format=fmt)
     fast = copy.deepcopy(conv)
     assert small_maps.apply(fast) == 1
-    x = torch.randn(5, cin, size, size, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(5, cin, size, size, dtype=torch.float64).contiguous(memory_format=fmt)
+    x.requires_grad_(True)
     x2 = x.detach().clone().requires_grad_(True)
     expected, got = conv(x), fast(x2)
     assert got.shape == expected.shape and got.shape[2] * got.shape[3] <= 4
@@ -32,6 +36,7 @@ def test_small_map_product_equals_the_convolution(cin, cout, size, stride, paddi
     got.backward(grad)
     torch.testing.assert_close(x2.grad, x.grad, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(fast.weight.grad, conv.weight.grad, rtol=1e-12, atol=1e-12)
+    assert fast.weight.grad.stride() == fast.weight.stride()  # no copy to the parameter's layout
     if bias:
         torch.testing.assert_close(fast.bias.grad, conv.bias.grad, rtol=1e-12, atol=1e-12)
 

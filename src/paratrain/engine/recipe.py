@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.optim.sgd import sgd
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from paratrain.config import TrainConfig
@@ -27,9 +28,80 @@ def build_optimizer(parts: ModelParts, cfg: TrainConfig, world_size: int) -> tor
     fused = all(p.device.type in ("cpu", "cuda") and not isinstance(p, DTensor) for p in params)
     if cfg.opt == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, fused=fused)
-    return torch.optim.SGD(
+    return StorageOrderSGD(
         params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, fused=fused
     )
+
+
+def _storage_order(t: torch.Tensor) -> torch.Tensor:
+    """A channels_last 4-D tensor seen in the order it lies in memory (N, H, W, C): a
+    contiguous view of the same elements."""
+    return t.permute(0, 2, 3, 1)
+
+
+def _is_channels_last(t: torch.Tensor | None) -> bool:
+    return (
+        t is not None
+        and t.dim() == 4
+        and not t.is_contiguous()
+        and t.is_contiguous(memory_format=torch.channels_last)
+    )
+
+
+class StorageOrderSGD(torch.optim.SGD):
+    """torch's SGD, its kernel given channels_last weights in their storage order.
+
+    The fused CPU kernel makes every non-contiguous parameter, gradient and momentum
+    buffer contiguous and copies the results back: for a channels_last model that is five
+    extra passes over every convolution weight. Elementwise updates do not care about
+    the order, so the kernel gets each such (parameter, gradient, buffer) as contiguous
+    views of the same memory. Measured on 2 CPU threads, ResNet-18's SGD step 7.0 ms with
+    channels_last weights against 3.2 ms contiguous; a bf16 training step at 64 px
+    53 -> 47 ms. The state (and so its state dict) is the same as SGD's."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, buffers = [], [], []
+            sparse = self._init_group(group, params, grads, buffers)
+            viewed = [
+                _is_channels_last(p)
+                and _is_channels_last(g)
+                and (b is None or _is_channels_last(b))
+                for p, g, b in zip(params, grads, buffers, strict=True)
+            ]
+
+            def view(tensors, viewed=viewed):
+                return [
+                    _storage_order(t) if v and t is not None else t
+                    for t, v in zip(tensors, viewed, strict=True)
+                ]
+
+            views = view(buffers)
+            sgd(
+                view(params),
+                view(grads),
+                views,  # the first step fills in new buffers, in the views' shape
+                weight_decay=group["weight_decay"],
+                momentum=group["momentum"],
+                lr=group["lr"],
+                dampening=group["dampening"],
+                nesterov=group["nesterov"],
+                maximize=group["maximize"],
+                has_sparse_grad=sparse,
+                foreach=group["foreach"],
+                fused=group["fused"],
+                grad_scale=getattr(self, "grad_scale", None),
+                found_inf=getattr(self, "found_inf", None),
+            )
+            if group["momentum"] != 0:
+                for p, buffer, v in zip(params, views, viewed, strict=True):
+                    self.state[p]["momentum_buffer"] = buffer.permute(0, 3, 1, 2) if v else buffer
+        return loss
 
 
 def optimizer_slots(opt: str, momentum: float) -> int:

@@ -94,9 +94,9 @@ class ModelParts(list):
         return optimizer.state_dict()
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        from paratrain.parallel.unified import own_implementation
+        from paratrain.parallel.unified import load_optimizer, own_implementation
 
-        optimizer.load_state_dict(own_implementation(state, optimizer))
+        load_optimizer(optimizer, own_implementation(state, optimizer))
 
     @property
     def training(self) -> bool:

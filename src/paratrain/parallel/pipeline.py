@@ -118,7 +118,7 @@ class PipelineParts(ModelParts):
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         named = unified.by_name(unified.own_implementation(state, optimizer), self.full_names)
-        optimizer.load_state_dict(unified.by_index(named, self.local_names))
+        unified.load_optimizer(optimizer, unified.by_index(named, self.local_names))
 
 
 def _gather_to_main(obj) -> list:
