@@ -15,8 +15,8 @@ from paratrain.data.cache import (
     cached_train_transform,
     prepare,
 )
-from paratrain.data.folder import ImageSamples, build_split
-from paratrain.data.transforms import eval_transform
+from paratrain.data.folder import ImageSamples, build_split, load_rgb, open_image
+from paratrain.data.transforms import eval_resize, eval_transform
 
 
 def _varied_folder(root):
@@ -27,6 +27,13 @@ def _varied_folder(root):
     Image.fromarray(np.arange(50 * 20 * 3, dtype=np.uint8).reshape(50, 20, 3)).save(
         data / "class_1" / "turned.jpg", exif=exif
     )
+    rng = np.random.default_rng(0)  # large enough to decode at reduced scale
+    Image.fromarray(rng.integers(0, 255, (150, 200, 3), dtype=np.uint8)).save(
+        data / "class_0" / "large.jpg"
+    )
+    Image.fromarray(rng.integers(0, 255, (90, 310, 3), dtype=np.uint8)).save(
+        data / "class_1" / "large_turned.jpg", exif=exif
+    )
     return data
 
 
@@ -36,10 +43,28 @@ def test_eval_tensors_are_identical_to_the_decode_path(tmp_path):
     cache = prepare(everything, 32, "on", 1.0, str(tmp_path / "cache"), workers=0)
     assert cache is not None and (cache.directory / "COMPLETE").exists()
     cached = CachedImages(everything, cache, cached_eval_transform(32))
-    decoded = ImageSamples(everything, eval_transform(32))
+    decoded = ImageSamples(everything, eval_transform(32), at_least=eval_resize(32))
     for i in range(len(everything)):
         assert torch.equal(cached[i][0], decoded[i][0]), everything[i][0]
         assert cached[i][1] == decoded[i][1]
+
+
+def test_large_jpegs_decode_at_reduced_scale_and_stay_large_enough(tmp_path):
+    data = _varied_folder(tmp_path / "d")
+    large, turned = data / "class_0" / "large.jpg", data / "class_1" / "large_turned.jpg"
+    assert open_image(str(large), 37).size == (50, 38)  # 1/4 scale: both sides >= 37
+    assert open_image(str(large), 70).size == (100, 75)  # 1/2: 1/4 would be too small
+    assert open_image(str(large), 80).size == (200, 150)  # 1/2 would be too small
+    assert open_image(str(large)).size == (200, 150)
+    assert open_image(str(turned), 37).size == (155, 45)  # 1/2 scale; turned upright later
+    upright = load_rgb(str(turned), 37)
+    assert upright.size == (45, 155)
+    png = data / "class_0" / "wide.png"
+    assert open_image(str(png), 10).size == (90, 30)  # other formats decode whole
+    full = ImageSamples([(str(large), 0)], eval_transform(32))[0][0]
+    reduced = ImageSamples([(str(large), 0)], eval_transform(32), at_least=eval_resize(32))[0][0]
+    assert full.shape == reduced.shape == (3, 32, 32)
+    assert (full - reduced).abs().mean() < 0.5  # the same picture, not the same pixels
 
 
 def test_train_transform_on_cached_uint8(tmp_path):
@@ -97,7 +122,7 @@ def test_building_the_cache_is_the_screen_and_a_ready_cache_needs_none(tmp_path,
     samples = split.train + split.val
     decoded = []
     real = cache_module.read_rgb
-    monkeypatch.setattr(cache_module, "read_rgb", lambda p: decoded.append(p) or real(p))
+    monkeypatch.setattr(cache_module, "read_rgb", lambda p, *a: decoded.append(p) or real(p, *a))
 
     built = prepare(samples, 24, "on", 1.0, str(tmp_path / "c"), workers=0)
     assert sorted(p for p, _ in built.bad) == sorted([str(files[3]), str(files[9])])

@@ -157,21 +157,33 @@ def _problem(exc: BaseException) -> str:
     return str(exc).split("\n")[0] or type(exc).__name__
 
 
-def read_rgb(path: str) -> tuple[Image.Image | None, str | None]:
+def open_image(path: str, at_least: int | None = None) -> Image.Image:
+    """``Image.open``; with ``at_least``, a JPEG is set to decode at the smallest of 1/1,
+    1/2, 1/4, 1/8 scale (in the DCT, far cheaper than decoding it whole) that keeps both
+    sides at least that many pixels — for uses that shrink it to that size anyway, which
+    then all see the same pixels: a 400x300 JPEG for 64-pixel evaluation (short side 73)
+    decodes at 100x75, 0.9 instead of 1.5 ms with the resize."""
+    image = Image.open(path)
+    if at_least:
+        image.draft(image.mode, (at_least, at_least))
+    return image
+
+
+def read_rgb(path: str, at_least: int | None = None) -> tuple[Image.Image | None, str | None]:
     """The image, upright 3-channel RGB, or None and why it cannot be used."""
     try:
         if os.path.getsize(path) == 0:
             return None, "empty file"
-        with Image.open(path) as image:
+        with open_image(path, at_least) as image:
             image.load()
             return to_rgb(image), None
     except IMAGE_ERRORS as exc:
         return None, _problem(exc)
 
 
-def load_rgb(path: str) -> Image.Image:
+def load_rgb(path: str, at_least: int | None = None) -> Image.Image:
     """Open an image as upright 3-channel RGB; an unreadable file is a UserError."""
-    image, problem = read_rgb(path)
+    image, problem = read_rgb(path, at_least)
     if image is None:
         raise UserError(f"cannot read image {path}: {problem}")
     return image
@@ -203,17 +215,24 @@ def seeded(seed: int) -> Iterator[None]:
 
 
 class ImageSamples(Dataset):
-    """(path, label) pairs read with PIL and passed through a transform."""
+    """(path, label) pairs read with PIL and passed through a transform; ``at_least``:
+    the transform shrinks the short side to that first (see ``open_image``)."""
 
-    def __init__(self, samples: Sequence[Sample], transform: Callable | None = None):
+    def __init__(
+        self,
+        samples: Sequence[Sample],
+        transform: Callable | None = None,
+        at_least: int | None = None,
+    ):
         self.samples = list(samples)
         self.transform = transform
+        self.at_least = at_least
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def load(self, index: int):
-        return load_rgb(self.samples[index][0])
+        return load_rgb(self.samples[index][0], self.at_least)
 
     def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int]:
         """``key`` is an index, or (index, seed) from the training sampler: then the random

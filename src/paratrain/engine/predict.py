@@ -11,7 +11,7 @@ import torch
 
 from paratrain.config import TrainConfig
 from paratrain.data.folder import IMAGE_EXTENSIONS, load_rgb
-from paratrain.data.transforms import eval_transform
+from paratrain.data.transforms import eval_resize, eval_transform
 from paratrain.engine import checkpoint
 from paratrain.engine.evaluate import logits_of
 from paratrain.errors import UserError
@@ -76,7 +76,8 @@ def predict(
     rows = []
     for start in range(0, len(paths), batch_size):
         chunk = paths[start : start + batch_size]
-        batch = torch.stack([transform(load_rgb(p)) for p in chunk]).to(device)
+        shrink = eval_resize(config.image_size)
+        batch = torch.stack([transform(load_rgb(p, shrink)) for p in chunk]).to(device)
         probabilities = logits_of(model(batch)).float().softmax(dim=1)
         values, indices = probabilities.topk(k, dim=1)
         for path, vals, idx in zip(chunk, values.tolist(), indices.tolist(), strict=True):

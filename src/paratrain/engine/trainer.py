@@ -32,7 +32,7 @@ from paratrain.data.cache import (
 from paratrain.data.folder import DataSplit, ImageSamples, build_split
 from paratrain.data.samplers import ShardedEvalSampler, train_sampler
 from paratrain.data.scan import AgreedUserError, screen
-from paratrain.data.transforms import eval_transform, train_transform
+from paratrain.data.transforms import eval_resize, eval_transform, train_transform
 from paratrain.dist import comm
 from paratrain.dist.runtime import Runtime, seed_everything, threads_per_process
 from paratrain.engine import checkpoint, faults
@@ -90,11 +90,21 @@ def loader_workers(cfg: TrainConfig, rt: Runtime) -> int:
     return cfg.workers if cfg.workers is not None else default_workers(rt.env.local_world_size)
 
 
+def decode_workers(cfg: TrainConfig, rt: Runtime) -> int:
+    """Processes per rank that decode every image once (cache build, screen): nothing
+    else runs meanwhile, so all of the rank's cores; one core decodes in the rank itself
+    (a worker would only add the copy back). An explicit ``--workers`` is kept."""
+    if cfg.workers is not None:
+        return cfg.workers
+    cores = min(8, threads_per_process(rt.env.local_world_size))
+    return cores if cores > 1 else 0
+
+
 def prepare_data(cfg: TrainConfig, split: DataSplit, rt: Runtime, run_dir: Path | None):
     """The decoded-image cache (built by all ranks, or None) and the split screened for
     unreadable images. Building the cache decodes every image, so it is the screen too;
     without a cache every image is decoded once just to check it."""
-    workers = loader_workers(cfg, rt)
+    workers = decode_workers(cfg, rt)
     cache = prepare(
         split.train + split.val, cfg.image_size, cfg.cache, cfg.cache_max_gb, cfg.cache_dir, workers
     )
@@ -128,7 +138,9 @@ def make_loaders(
         train_set = ImageSamples(
             split.train, train_transform(cfg.image_size, cfg.crop_scale_min, cfg.hflip)
         )
-        val_set = ImageSamples(split.val, eval_transform(cfg.image_size))
+        val_set = ImageSamples(
+            split.val, eval_transform(cfg.image_size), at_least=eval_resize(cfg.image_size)
+        )
     if cache is not None:
         common["collate_fn"] = batched
     sampler = train_sampler(len(train_set), replica, replicas, cfg.seed)
