@@ -69,10 +69,10 @@ def preflight(cfg: TrainConfig) -> None:
     The model name is not checked here: that needs torchvision, seconds of start-up
     before any worker starts. Every rank builds the same model, so a bad name fails on
     every rank alike, and rank 0 alone reports it."""
-    from paratrain.models.registry import read_state_dict
-
     build_split(cfg.data, cfg.val_fraction, cfg.split_seed)
     if cfg.weights:
+        from paratrain.models.registry import read_state_dict  # torchvision: 0.8 s to import
+
         read_state_dict(cfg.weights)
     if cfg.resume and cfg.resume != "auto" and not Path(cfg.resume).is_file():
         raise UserError(f"--resume: checkpoint not found: {cfg.resume}")

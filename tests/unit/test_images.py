@@ -97,3 +97,14 @@ def test_a_slow_scan_shows_a_progress_bar(tmp_path, monkeypatch, capsys):
     paths = [str(p) for p in sorted(data.rglob("*.jpg"))]
     assert find_bad_images(paths, 0, 1, workers=0, show=True) == []
     assert "checking images" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("keep", [0.1, 0.5, 0.99])
+def test_a_truncated_large_jpeg_is_found_though_checked_at_reduced_scale(tmp_path, keep):
+    path = tmp_path / "large.jpg"
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 255, (300, 400, 3), dtype=np.uint8)).save(path)
+    assert image_problem(str(path)) is None
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+    assert "truncated" in image_problem(str(path))
