@@ -70,3 +70,29 @@ def test_only_plain_convolutions_change_and_the_state_dict_does_not():
     copied = copy.deepcopy(model)  # EMA copies the model: the copy computes with its own weights
     conv = next(m for m in copied.modules() if small_maps.eligible(m))
     assert conv.forward.__self__ is conv
+
+
+def test_which_outputs_take_the_product():
+    channels_last = torch.randn(2, 8, 4, 4).contiguous(memory_format=torch.channels_last)
+    contiguous = torch.randn(2, 8, 4, 4)
+    assert small_maps.takes_product(4, 64, contiguous)  # 2x2: always
+    assert small_maps.takes_product(16, 512, channels_last)  # 4x4, wide
+    assert not small_maps.takes_product(16, 256, channels_last)  # 4x4, narrower
+    assert not small_maps.takes_product(25, 512, channels_last)  # 5x5
+    assert not small_maps.takes_product(16, 512, contiguous)  # the kernel wins in fp32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert small_maps.takes_product(16, 512, contiguous)
+
+
+def test_a_wide_4x4_convolution_takes_the_product_and_equals_the_convolution(monkeypatch):
+    torch.manual_seed(0)
+    conv = nn.Conv2d(256, 512, 3, padding=1).double().to(memory_format=torch.channels_last)
+    fast = copy.deepcopy(conv)
+    small_maps.apply(fast)
+    x = torch.randn(2, 256, 4, 4, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    calls = []
+    real = small_maps.as_matrix_product
+    monkeypatch.setattr(small_maps, "as_matrix_product", lambda *a: calls.append(1) or real(*a))
+    got = fast(x)
+    assert calls == [1]
+    torch.testing.assert_close(got, conv(x), rtol=1e-12, atol=1e-12)

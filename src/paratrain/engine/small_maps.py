@@ -1,13 +1,14 @@
 """Convolutions over tiny feature maps as one matrix product, on CPU.
 
 Where a convolution's output is 2x2 pixels or smaller (ResNet's layer4 at 64 px, its
-layer3 and layer4 at 32 px and below), the CPU convolution kernels are far below their
-usual speed; unfolding the input (im2col) and multiplying by the weight matrix does the
-same arithmetic several times faster. Measured on a 2-core AMX CPU, forward + backward
-of a 3x3 convolution, batch 16: 512->512 channels at 2x2, 10.1 ms as a convolution,
-4.8 ms as a product (bf16; 16.4 vs 8.1 ms in fp32); 256->512 at stride 2 onto 2x2, 4.8
-vs 2.7 ms; but 256->256 at 4x4, 2.6 vs 3.1 ms — hence the 4-pixel limit. The weights and
-state dict are the module's own; only how its forward computes changes.
+layer3 and layer4 at 32 px and below), or 4x4 with 512 channels or more (layer4 at 128
+px), the CPU convolution kernels are far below their usual speed; unfolding the input
+(im2col) and multiplying by the weight matrix does the same arithmetic several times
+faster. Measured on a 2-core AMX CPU, forward + backward of a 3x3 convolution, batch
+16: 512->512 channels at 2x2, 10.1 ms as a convolution, 4.8 ms as a product (bf16; 16.4
+vs 8.1 ms in fp32); 256->512 at stride 2 onto 2x2, 4.8 vs 2.7 ms; but 256->256 at 4x4,
+2.6 vs 2.6 ms and at 8x8 4.9 vs 9.6 — hence the limits in ``takes_product``. The weights
+and state dict are the module's own; only how its forward computes changes.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 MAX_OUTPUT_PIXELS = 4
+WIDE_CHANNELS, WIDE_MAX_OUTPUT_PIXELS = 512, 16
 
 
 def _output_size(size: int, kernel: int, stride: int, padding: int) -> int:
@@ -54,11 +56,25 @@ def as_matrix_product(x: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
     return out.contiguous() if x.is_contiguous() else out  # the input's memory format
 
 
+def takes_product(pixels: int, out_channels: int, x: torch.Tensor) -> bool:
+    """Whether the product beats the convolution kernel for this output, as measured
+    (forward + backward, 3x3, 2 threads; batches 4, 16 and 64 alike): always at 2x2 and
+    below; at up to 4x4 for 512 or more output channels — 512->512 at 4x4, batch 16:
+    11.7 -> 6.4 ms channels_last bf16, 16.6 -> 13.9 fp32, 10.0 -> 6.5 contiguous bf16 —
+    except contiguous fp32, where the kernel is faster (11.7 vs 14.0 ms); 256 channels
+    at 4x4 gain nothing (2.6 vs 2.6 ms)."""
+    if pixels <= MAX_OUTPUT_PIXELS:
+        return True
+    if pixels > WIDE_MAX_OUTPUT_PIXELS or out_channels < WIDE_CHANNELS:
+        return False
+    return torch.is_autocast_enabled("cpu") or not x.is_contiguous()
+
+
 def _forward(self: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     if x.dim() == 4:
         rows = _output_size(x.shape[2], self.kernel_size[0], self.stride[0], self.padding[0])
         columns = _output_size(x.shape[3], self.kernel_size[1], self.stride[1], self.padding[1])
-        if rows * columns <= MAX_OUTPUT_PIXELS:
+        if takes_product(rows * columns, self.out_channels, x):
             return as_matrix_product(x, self)
     return self._conv_forward(x, self.weight, self.bias)
 
