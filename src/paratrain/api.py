@@ -209,9 +209,8 @@ def _evaluate_worker(
 ) -> dict:
     from torch.utils.data import DataLoader
 
-    from paratrain.data.folder import ImageSamples
     from paratrain.data.samplers import ShardedEvalSampler
-    from paratrain.data.transforms import eval_resize, eval_transform
+    from paratrain.data.transforms import eval_samples
     from paratrain.dist.runtime import distributed
     from paratrain.engine.evaluate import evaluate
     from paratrain.engine.trainer import default_workers
@@ -223,9 +222,7 @@ def _evaluate_worker(
         model = create_model(saved.model, len(split.classes), saved.image_size)
         model.load_state_dict(weights)
         model.to(rt.device)
-        dataset = ImageSamples(
-            split.val, eval_transform(saved.image_size), at_least=eval_resize(saved.image_size)
-        )
+        dataset = eval_samples(split.val, saved.image_size)
         n_workers = workers if workers is not None else default_workers(env.local_world_size)
         loader = DataLoader(
             dataset,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from torchvision import transforms as T
 
+from paratrain.data.folder import ImageSamples, Sample
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -29,3 +31,9 @@ def eval_transform(size: int) -> T.Compose:
             T.Normalize(IMAGENET_MEAN, IMAGENET_STD),
         ]
     )
+
+
+def eval_samples(samples: list[Sample], size: int) -> ImageSamples:
+    """Validation images, each decoded as the cache decodes it (a JPEG at reduced scale
+    where it stays at least the Resize's size; see ``open_image``) and eval-transformed."""
+    return ImageSamples(samples, eval_transform(size), at_least=eval_resize(size))

@@ -70,13 +70,12 @@ def predict(
     if top_k < 1:
         raise UserError(f"--top-k must be at least 1, got {top_k}")
     model, config, classes = load_for_inference(checkpoint_path, torch.device(device), ema)
-    transform = eval_transform(config.image_size)
+    transform, shrink = eval_transform(config.image_size), eval_resize(config.image_size)
     paths = collect_images(inputs)
     k = min(top_k, len(classes))
     rows = []
     for start in range(0, len(paths), batch_size):
         chunk = paths[start : start + batch_size]
-        shrink = eval_resize(config.image_size)
         batch = torch.stack([transform(load_rgb(p, shrink)) for p in chunk]).to(device)
         probabilities = logits_of(model(batch)).float().softmax(dim=1)
         values, indices = probabilities.topk(k, dim=1)

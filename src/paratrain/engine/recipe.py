@@ -39,6 +39,11 @@ def _storage_order(t: torch.Tensor) -> torch.Tensor:
     return t.permute(0, 2, 3, 1)
 
 
+def _in_storage_order(tensors: list, viewed: list[bool]) -> list:
+    pairs = zip(tensors, viewed, strict=True)
+    return [_storage_order(t) if v and t is not None else t for t, v in pairs]
+
+
 def _is_channels_last(t: torch.Tensor | None) -> bool:
     return (
         t is not None
@@ -68,24 +73,16 @@ class StorageOrderSGD(torch.optim.SGD):
         for group in self.param_groups:
             params, grads, buffers = [], [], []
             sparse = self._init_group(group, params, grads, buffers)
+            # a triple all channels_last is seen in storage order; anything else as it is
             viewed = [
-                _is_channels_last(p)
-                and _is_channels_last(g)
-                and (b is None or _is_channels_last(b))
+                all(_is_channels_last(t) for t in (p, g, b) if t is not None)
                 for p, g, b in zip(params, grads, buffers, strict=True)
             ]
-
-            def view(tensors, viewed=viewed):
-                return [
-                    _storage_order(t) if v and t is not None else t
-                    for t, v in zip(tensors, viewed, strict=True)
-                ]
-
-            views = view(buffers)
+            buffer_views = _in_storage_order(buffers, viewed)
             sgd(
-                view(params),
-                view(grads),
-                views,  # the first step fills in new buffers, in the views' shape
+                _in_storage_order(params, viewed),
+                _in_storage_order(grads, viewed),
+                buffer_views,  # the first step fills in new buffers, in the views' shape
                 weight_decay=group["weight_decay"],
                 momentum=group["momentum"],
                 lr=group["lr"],
@@ -99,7 +96,7 @@ class StorageOrderSGD(torch.optim.SGD):
                 found_inf=getattr(self, "found_inf", None),
             )
             if group["momentum"] != 0:
-                for p, buffer, v in zip(params, views, viewed, strict=True):
+                for p, buffer, v in zip(params, buffer_views, viewed, strict=True):
                     self.state[p]["momentum_buffer"] = buffer.permute(0, 3, 1, 2) if v else buffer
         return loss
 

@@ -32,7 +32,7 @@ from paratrain.data.cache import (
 from paratrain.data.folder import DataSplit, ImageSamples, build_split
 from paratrain.data.samplers import ShardedEvalSampler, train_sampler
 from paratrain.data.scan import AgreedUserError, screen
-from paratrain.data.transforms import eval_resize, eval_transform, train_transform
+from paratrain.data.transforms import eval_samples, train_transform
 from paratrain.dist import comm
 from paratrain.dist.runtime import Runtime, seed_everything, threads_per_process
 from paratrain.engine import checkpoint, faults
@@ -146,9 +146,7 @@ def make_loaders(
         train_set = ImageSamples(
             split.train, train_transform(cfg.image_size, cfg.crop_scale_min, cfg.hflip)
         )
-        val_set = ImageSamples(
-            split.val, eval_transform(cfg.image_size), at_least=eval_resize(cfg.image_size)
-        )
+        val_set = eval_samples(split.val, cfg.image_size)
     if cache is not None:
         common["collate_fn"] = batched
     sampler = train_sampler(len(train_set), replica, replicas, cfg.seed)

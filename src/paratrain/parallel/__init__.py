@@ -165,6 +165,10 @@ def parallelize(
         from paratrain.engine import small_maps
 
         small_maps.apply(model)
+    if cfg.sync_bn and runtime.world_size > 1:  # ddp and fsdp (the config refuses the rest)
+        from paratrain.parallel import sync_batchnorm
+
+        model = sync_batchnorm.apply(model, runtime)
     if cfg.strategy in ("fsdp", "pipeline"):
         # FSDP2 shards contiguous parameters only; the pipeline's receive buffers for
         # gradients take channels_last strides that gloo and NCCL refuse (torch 2.14)
@@ -215,10 +219,6 @@ def _quiet_expected_compile_notices() -> None:
 def _wrap(model: nn.Module, cfg: TrainConfig, runtime: Runtime, uses_no_sync: bool) -> ModelParts:
     from paratrain.parallel import ddp
 
-    if cfg.sync_bn and runtime.world_size > 1:
-        from paratrain.parallel import sync_batchnorm
-
-        model = sync_batchnorm.apply(model, runtime)
     if runtime.world_size > 1:
         return ddp.apply(model, cfg, runtime, static_graph=not uses_no_sync)
     return ModelParts([model])

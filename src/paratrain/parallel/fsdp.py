@@ -117,10 +117,6 @@ def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime, memory_format) -
             "(--nproc N, torchrun or srun)"
         )
     full_names = unified.trainable_names(model)
-    if cfg.sync_bn and runtime.world_size > 1:
-        from paratrain.parallel import sync_batchnorm
-
-        model = sync_batchnorm.apply(model, runtime)
     model = model.to(runtime.device)
     mesh = init_device_mesh(runtime.device.type, (runtime.world_size,))
     for block in blocks(model):
