@@ -18,10 +18,11 @@ import torch
 from _spawn import run as spawn
 
 from paratrain.config import TrainConfig
-from paratrain.dist.env import detect
-from paratrain.dist.runtime import Runtime
+from paratrain.distributed.env import detect
+from paratrain.distributed.runtime import Runtime
 from paratrain.engine.precision import Precision
-from paratrain.engine.trainer import build_model, build_optimizer
+from paratrain.engine.recipe import build_optimizer
+from paratrain.models.registry import build_model
 from paratrain.parallel import parallelize
 
 CLASSES = 10
@@ -79,8 +80,10 @@ def main() -> None:
         cells = [worst[k] for k in keys] + [sums[strategy]]
         print(f"{strategy:<6}" + "".join(f"{c / 2**20:12.1f}" for c in cells))
     ratio = sums["fsdp"] / sums["ddp"]
-    print(f"fsdp / ddp, parameters + gradients + optimizer state: {ratio:.3f} "
-          f"(target <= 0.6: {'met' if ratio <= 0.6 else 'NOT met'})")
+    print(
+        f"fsdp / ddp, parameters + gradients + optimizer state: {ratio:.3f} "
+        f"(target <= 0.6: {'met' if ratio <= 0.6 else 'NOT met'})"
+    )
 
 
 if __name__ == "__main__":

@@ -26,10 +26,11 @@ import torch.distributed as dist
 from _spawn import run as spawn
 
 from paratrain.config import TrainConfig
-from paratrain.dist.env import detect
-from paratrain.dist.runtime import Runtime
+from paratrain.distributed.env import detect
+from paratrain.distributed.runtime import Runtime
 from paratrain.engine.precision import Precision
-from paratrain.engine.trainer import build_model, build_optimizer
+from paratrain.engine.recipe import build_optimizer
+from paratrain.models.registry import build_model
 from paratrain.parallel import parallelize
 
 CLASSES = 10

@@ -68,8 +68,8 @@ def in_single_process(fn, *args):
 def fit_on_rank(rank, world_size, values: dict) -> dict:
     """paratrain's training loop on this rank of the group: returns its run summary."""
     from paratrain.config import TrainConfig
-    from paratrain.dist.env import detect
-    from paratrain.dist.runtime import Runtime
+    from paratrain.distributed.env import detect
+    from paratrain.distributed.runtime import Runtime
     from paratrain.engine.trainer import fit
 
     runtime = Runtime(env=detect(os.environ), device=torch.device("cpu"), backend="gloo")

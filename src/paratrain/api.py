@@ -12,7 +12,7 @@ from pathlib import Path
 from paratrain.config import TrainConfig
 from paratrain.data.builtin import ensure_digits
 from paratrain.data.folder import build_split
-from paratrain.dist.env import detect
+from paratrain.distributed.env import detect
 from paratrain.errors import UserError
 
 # The embedded default: 8x8 digit scans need neither 224 pixels nor strong crops, and a
@@ -94,7 +94,7 @@ def train(config: TrainConfig, argv: Sequence[str] | None = None) -> dict | None
 
         check_available(env.world_size)
     if config.nproc > 1 and env.source == "single":
-        from paratrain.dist.launch import launch
+        from paratrain.distributed.launch import launch
 
         preflight(config)
         if not config.name and not config.resume:
@@ -136,9 +136,9 @@ def _check_device_options(config: TrainConfig) -> None:
 
 
 def _train_worker(config: TrainConfig, env) -> dict:
-    from paratrain.dist.runtime import distributed
+    from paratrain.distributed.runtime import distributed
     from paratrain.engine.trainer import fit
-    from paratrain.report.log import setup_logging
+    from paratrain.log import setup_logging
 
     setup_logging(env.rank, env.world_size)
     with distributed(env, config.device, config.backend, config.timeout) as runtime:
@@ -186,7 +186,7 @@ def evaluate_checkpoint(
         )
     weights = weights_of(state, checkpoint_path, ema)
     if nproc > 1 and env.source == "single":
-        from paratrain.dist.launch import launch
+        from paratrain.distributed.launch import launch
 
         code = launch(nproc, list(argv or []))
         if code:
@@ -209,13 +209,13 @@ def _evaluate_worker(
 ) -> dict:
     from torch.utils.data import DataLoader
 
+    from paratrain.data.loaders import default_workers
     from paratrain.data.samplers import ShardedEvalSampler
     from paratrain.data.transforms import eval_samples
-    from paratrain.dist.runtime import distributed
+    from paratrain.distributed.runtime import distributed
     from paratrain.engine.evaluate import evaluate
-    from paratrain.engine.trainer import default_workers
+    from paratrain.log import setup_logging
     from paratrain.models.registry import create_model
-    from paratrain.report.log import setup_logging
 
     setup_logging(env.rank, env.world_size)
     with distributed(env, saved.device, saved.backend, saved.timeout) as rt:
@@ -235,7 +235,7 @@ def _evaluate_worker(
         if rt.is_main:
             from paratrain.report.evaluation import write_evaluation
 
-            out = write_evaluation(result, split, report_dir)
+            out = write_evaluation(result.confusion, result.predictions, split, report_dir)
             report.update(
                 per_class=dict(zip(split.classes, result.per_class_accuracy(), strict=True)),
                 report_dir=str(out),
@@ -261,7 +261,7 @@ def bench(
     env = detect(os.environ)
     _check_device_options(config)
     if config.nproc > 1 and env.source == "single":
-        from paratrain.dist.launch import launch
+        from paratrain.distributed.launch import launch
 
         code = launch(config.nproc, list(argv or []))
         if code:
@@ -269,7 +269,7 @@ def bench(
         return None
     from paratrain.bench.collectives import sweep_all_reduce
     from paratrain.bench.step import run_bench
-    from paratrain.dist.runtime import distributed
+    from paratrain.distributed.runtime import distributed
 
     with distributed(env, config.device, config.backend, config.timeout) as rt:
         result = run_bench(config, rt, steps, warmup)
@@ -279,8 +279,9 @@ def bench(
     return result
 
 
-def scale(config: TrainConfig, options, out: str | Path, calibrate: str | Path | None = None,
-          say=print) -> dict:
+def scale(
+    config: TrainConfig, options, out: str | Path, calibrate: str | Path | None = None, say=print
+) -> dict:
     """`paratrain scale`: measured and predicted scaling; writes the report under ``out``
     and returns it. With ``calibrate`` (a CSV of n,seconds) nothing is measured here."""
     from paratrain.bench import costmodel
@@ -295,8 +296,9 @@ def scale(config: TrainConfig, options, out: str | Path, calibrate: str | Path |
         config.validate()
         _check_device_options(config)
         if detect(os.environ).source != "single":
-            raise UserError("`paratrain scale` starts its own processes; run it outside "
-                            "torchrun and srun")
+            raise UserError(
+                "`paratrain scale` starts its own processes; run it outside torchrun and srun"
+            )
         profile, rows, samples = scaling.measure(config, options, say=say)
         report = scaling.report(config, options, profile, rows, samples)
         text = format_measured(report)
@@ -323,8 +325,8 @@ def plan(
     import torch
 
     from paratrain.bench import memory
-    from paratrain.engine.recipe import optimizer_slots
     from paratrain.models.registry import create_model
+    from paratrain.parallel.partition import optimizer_slots
 
     limit = memory.parse_size(device_memory)
     torch.manual_seed(0)
@@ -353,11 +355,11 @@ def check(
         raise UserError(f"--nproc must be at least 1, got {nproc}")
     env = detect(os.environ)
     if env.source == "single":
-        from paratrain.dist.launch import launch
+        from paratrain.distributed.launch import launch
 
         return launch(nproc, list(argv if argv is not None else ["check"]))
-    from paratrain.dist.check import format_table, run_checks
-    from paratrain.dist.runtime import distributed
+    from paratrain.bench.check import format_table, run_checks
+    from paratrain.distributed.runtime import distributed
 
     with distributed(env, device, backend, timeout_s) as rt:
         if not rt.backend:  # one process still exercises the collectives, on a 1-rank group
@@ -373,8 +375,8 @@ def _check_alone(rt, timeout_s: float) -> int:
 
     import torch.distributed as dist
 
-    from paratrain.dist.check import format_table, run_checks
-    from paratrain.dist.runtime import Runtime, choose_backend
+    from paratrain.bench.check import format_table, run_checks
+    from paratrain.distributed.runtime import Runtime, choose_backend
 
     backend = choose_backend(rt.device)
     store = dist.HashStore()

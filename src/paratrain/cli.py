@@ -359,17 +359,33 @@ def _add_scale_flags(sc: argparse.ArgumentParser) -> None:
         "--gpus-per-node", type=_positive_int, default=None,
         help="hierarchical all-reduce: this many devices per node on --intra-link",
     )  # fmt: skip
-    sc.add_argument("--intra-link", choices=list(PRESETS), default="nvlink4",
-                    help="the link inside a node (default nvlink4)")
-    sc.add_argument("--epoch-images", type=_positive_int, default=10_000,
-                    help="images per epoch for the epoch times (default 10000)")
+    sc.add_argument(
+        "--intra-link",
+        choices=list(PRESETS),
+        default="nvlink4",
+        help="the link inside a node (default nvlink4)",
+    )
+    sc.add_argument(
+        "--epoch-images",
+        type=_positive_int,
+        default=10_000,
+        help="images per epoch for the epoch times (default 10000)",
+    )
     sc.add_argument("--max-n", type=_positive_int, default=1024, help="predict up to this N")
     sc.add_argument("--steps", type=_positive_int, default=10, help="timed steps (median)")
     sc.add_argument("--warmup", type=_positive_int, default=3)
-    sc.add_argument("--max-message-mb", type=float, default=256.0,
-                    help="largest all-reduce message timed (default 256)")
-    sc.add_argument("--calibrate", default=None, metavar="CSV",
-                    help="fit your own epoch times (lines n,seconds) instead of measuring")
+    sc.add_argument(
+        "--max-message-mb",
+        type=float,
+        default=256.0,
+        help="largest all-reduce message timed (default 256)",
+    )
+    sc.add_argument(
+        "--calibrate",
+        default=None,
+        metavar="CSV",
+        help="fit your own epoch times (lines n,seconds) instead of measuring",
+    )
     sc.add_argument("--out", default="scaling", help="report folder (default ./scaling)")
 
 
@@ -539,7 +555,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except Exception as exc:
-        from paratrain.dist.launch import PEER_LOST, is_peer_loss
+        from paratrain.distributed.launch import PEER_LOST, is_peer_loss
 
         if is_peer_loss(exc):  # a consequence of another rank's failure, not a cause
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -684,7 +700,7 @@ def _runs(args: argparse.Namespace) -> int:
 def _slurm(argv: list[str]) -> int:
     """Flags of the script are ours; every other one goes to `paratrain train`, which
     checks them here already, so a typo fails now and not after hours in the queue."""
-    from paratrain.dist.slurm import SlurmJob, sbatch_script
+    from paratrain.distributed.slurm import SlurmJob, sbatch_script
 
     parser = _Parser(prog="paratrain slurm")
     _add_slurm_flags(parser)
@@ -707,8 +723,11 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
     from paratrain.bench.step import format_result
     from paratrain.config import TrainConfig
 
-    values = {k: v for k, v in vars(args).items()
-              if k not in ("command", "steps", "warmup", "json", "result_file", "sweep_bytes")}
+    values = {
+        k: v
+        for k, v in vars(args).items()
+        if k not in ("command", "steps", "warmup", "json", "result_file", "sweep_bytes")
+    }
     config = TrainConfig.from_dict(values, source="arguments")
     result = bench(config, args.steps, args.warmup, argv, args.sweep_bytes, args.result_file)
     if result is not None and not args.result_file:
@@ -725,8 +744,10 @@ def _scale(args: argparse.Namespace) -> int:
     if (args.bandwidth is None) != (args.latency is None):
         raise UserError("--bandwidth and --latency go together (GB/s and microseconds)")
     if args.bandwidth is not None and not (args.bandwidth > 0 and args.latency >= 0):
-        raise UserError(f"--bandwidth must be positive and --latency 0 or more, got "
-                        f"{args.bandwidth} and {args.latency}")
+        raise UserError(
+            f"--bandwidth must be positive and --latency 0 or more, got "
+            f"{args.bandwidth} and {args.latency}"
+        )
     link = PRESETS[args.link] if args.link else None
     if args.bandwidth is not None:
         link = Link("given", args.bandwidth, args.latency)
@@ -743,9 +764,24 @@ def _scale(args: argparse.Namespace) -> int:
         gpus_per_node=args.gpus_per_node, intra_link=PRESETS[args.intra_link],
         epoch_images=args.epoch_images, max_n=args.max_n,
     )  # fmt: skip
-    skip = ("command", "nproc_max", "link", "bandwidth", "latency", "gpus_per_node", "intra_link",
-            "epoch_images", "max_n", "steps", "warmup", "max_message_mb", "calibrate", "out")
-    config = TrainConfig.from_dict({k: v for k, v in vars(args).items() if k not in skip},
-                                   source="arguments")
+    skip = (
+        "command",
+        "nproc_max",
+        "link",
+        "bandwidth",
+        "latency",
+        "gpus_per_node",
+        "intra_link",
+        "epoch_images",
+        "max_n",
+        "steps",
+        "warmup",
+        "max_message_mb",
+        "calibrate",
+        "out",
+    )
+    config = TrainConfig.from_dict(
+        {k: v for k, v in vars(args).items() if k not in skip}, source="arguments"
+    )
     scale(config, options, args.out, args.calibrate)
     return 0

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from paratrain.dist.env import detect
-from paratrain.dist.runtime import Runtime
+from paratrain.distributed.env import detect
+from paratrain.distributed.runtime import Runtime
 from spawn import run_distributed
 
 pytestmark = pytest.mark.slow
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 def _checks(rank, world, corrupt_broadcast_on):
     import torch.distributed as dist
 
-    from paratrain.dist import check
+    from paratrain.bench import check
 
     if rank == corrupt_broadcast_on:
         original = dist.broadcast

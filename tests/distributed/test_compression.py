@@ -52,8 +52,8 @@ def test_compressed_average_is_close_to_the_exact_one():
 def _bench(rank, world_size):
     from paratrain.bench.step import run_bench
     from paratrain.config import TrainConfig
-    from paratrain.dist.env import detect
-    from paratrain.dist.runtime import Runtime
+    from paratrain.distributed.env import detect
+    from paratrain.distributed.runtime import Runtime
 
     runtime = Runtime(env=detect(os.environ), device=torch.device("cpu"), backend="gloo")
     config = TrainConfig(image_size=16, batch_size=4, precision="32")
@@ -72,8 +72,8 @@ def _ddp_settings(rank, world_size, grad_accum):
     from torch import nn
 
     from paratrain.config import TrainConfig
-    from paratrain.dist.env import detect
-    from paratrain.dist.runtime import Runtime
+    from paratrain.distributed.env import detect
+    from paratrain.distributed.runtime import Runtime
     from paratrain.parallel import parallelize
 
     runtime = Runtime(env=detect(os.environ), device=torch.device("cpu"), backend="gloo")
@@ -102,8 +102,8 @@ def _compiled_steps(rank, world_size, compiled, grad_accum):
     from torch import nn
 
     from paratrain.config import TrainConfig
-    from paratrain.dist.env import detect
-    from paratrain.dist.runtime import Runtime
+    from paratrain.distributed.env import detect
+    from paratrain.distributed.runtime import Runtime
     from paratrain.parallel import parallelize
 
     runtime = Runtime(env=detect(os.environ), device=torch.device("cpu"), backend="gloo")

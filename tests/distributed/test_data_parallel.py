@@ -14,8 +14,8 @@ from paratrain.config import TrainConfig
 from paratrain.data.folder import ImageSamples, build_split
 from paratrain.data.samplers import ShardedEvalSampler
 from paratrain.data.transforms import eval_transform
-from paratrain.dist.env import detect
-from paratrain.dist.runtime import Runtime
+from paratrain.distributed.env import detect
+from paratrain.distributed.runtime import Runtime
 from paratrain.engine.evaluate import evaluate
 from paratrain.models.registry import create_model
 from spawn import in_single_process, run_distributed
@@ -36,7 +36,7 @@ def _runtime() -> Runtime:
 
 
 def _initial_weights(rank, world, weights):
-    from paratrain.engine.trainer import build_model
+    from paratrain.models.registry import build_model
     from paratrain.parallel import parallelize
 
     torch.manual_seed(1234 + rank)  # ranks arrive with different RNG states

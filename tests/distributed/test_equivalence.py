@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from paratrain.config import TrainConfig
-from paratrain.dist.env import detect
-from paratrain.dist.runtime import Runtime
-from paratrain.engine.evaluate import logits_of
-from paratrain.engine.trainer import build_model, build_optimizer
+from paratrain.distributed.env import detect
+from paratrain.distributed.runtime import Runtime
+from paratrain.engine.recipe import build_optimizer
+from paratrain.models.registry import build_model, logits_of
 from paratrain.parallel import parallelize
 from spawn import in_single_process, run_distributed
 

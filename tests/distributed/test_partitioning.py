@@ -18,10 +18,11 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from paratrain.config import TrainConfig
-from paratrain.dist.env import detect
-from paratrain.dist.runtime import Runtime
+from paratrain.distributed.env import detect
+from paratrain.distributed.runtime import Runtime
 from paratrain.engine.evaluate import evaluate
-from paratrain.engine.trainer import build_model, build_optimizer
+from paratrain.engine.recipe import build_optimizer
+from paratrain.models.registry import build_model
 from paratrain.parallel import parallelize
 from spawn import in_single_process, run_distributed
 

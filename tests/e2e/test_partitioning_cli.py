@@ -35,7 +35,9 @@ def runs(tmp_path_factory):
 
 
 def _metrics(root, name):
-    return [json.loads(x) for x in (root / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+    return [
+        json.loads(x) for x in (root / "runs" / name / "metrics.jsonl").read_text().splitlines()
+    ]
 
 
 def test_pipeline_prints_its_plan_and_saves_the_single_device_layout(runs):

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from paratrain.dist.env import DistEnv
-from paratrain.dist.runtime import Runtime, choose_backend, choose_device
+from paratrain.distributed.env import DistEnv
+from paratrain.distributed.runtime import Runtime, choose_backend, choose_device
 from paratrain.parallel import sync_batchnorm
 
 pytestmark = [

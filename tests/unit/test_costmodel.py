@@ -137,7 +137,9 @@ def test_calibrate_reproduces_a_published_v100_measurement(tmp_path, capsys):
     assert [p["n"] for p in points] == [1, 2, 4, 8]
     for p in points:
         assert abs(p["fitted_s"] - p["measured_s"]) <= 0.15 * p["measured_s"]
-        assert p["error_pct"] == pytest.approx(100 * (p["fitted_s"] - p["measured_s"]) / p["measured_s"])
+        assert p["error_pct"] == pytest.approx(
+            100 * (p["fitted_s"] - p["measured_s"]) / p["measured_s"]
+        )
     fixed = report["calibration"]["fixed_s"]
     assert 0 < fixed < 2 and report["calibration"]["communication_s"] > 0
     assert f"implied fixed cost {fixed:.3g} s per epoch" in text

@@ -1,6 +1,6 @@
 import pytest
 
-from paratrain.dist.env import DistEnv, detect, expand_hostlist, slurm_port
+from paratrain.distributed.env import DistEnv, detect, expand_hostlist, slurm_port
 from paratrain.errors import UserError
 
 

@@ -12,8 +12,9 @@ from PIL import Image
 from imagefolders import make_damaged_folder, make_image_folder
 from paratrain.data import folder as folder_module
 from paratrain.data.folder import build_split, image_problem, load_rgb
-from paratrain.data.scan import AgreedUserError, find_bad_images, screen
+from paratrain.data.scan import find_bad_images, screen
 from paratrain.data.transforms import eval_transform
+from paratrain.errors import AgreedUserError
 
 
 def _odd_images(root):

@@ -15,8 +15,8 @@ from paratrain.api import resolve
 from paratrain.cli import main
 from paratrain.engine import checkpoint
 from paratrain.engine.recipe import build_mixer
-from paratrain.engine.trainer import build_model
 from paratrain.errors import UserError
+from paratrain.models.registry import build_model
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import torch
 import torchvision
 from torch import nn
 
-from paratrain.engine import small_maps
+from paratrain.models import small_maps
 
 
 @pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -10,12 +11,17 @@ import torch
 from torch import nn
 
 from paratrain import TrainConfig, train
-from paratrain.dist.env import DistEnv
-from paratrain.dist.runtime import Runtime
+from paratrain.distributed.env import DistEnv
+from paratrain.distributed.runtime import Runtime
+from paratrain.engine.control import StepControl
 from paratrain.engine.precision import Precision, resolve
-from paratrain.engine.trainer import Progress, Recipe, StepControl, train_one_epoch
+from paratrain.engine.preempt import PreemptionGuard
+from paratrain.engine.recipe import Recipe
+from paratrain.engine.state import Progress
+from paratrain.engine.trainer import train_step
 from paratrain.errors import UserError
 from paratrain.parallel import ModelParts
+from paratrain.report.tensorboard import Board
 
 AMX = "processor : 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_tile amx_bf16\n"
 OLD = "processor : 0\nflags\t\t: fpu sse2 avx2\n"
@@ -51,19 +57,8 @@ def test_precision_modes_train_and_evaluate(image_folder, tmp_path, options):
     assert final["val_count"] == 6  # 3 classes x 12 images, 20% held out
 
 
-class _Control(StepControl):
-    """No checkpoints, no signals: only the per-step agreement on the loss."""
-
-    def __init__(self, cfg):
-        self.cfg, self.fault, self.stop_requested = cfg, None, False
-        self.guard = SimpleNamespace(signum=0)
-
-    def after_step(self, progress):
-        pass
-
-
 def _one_step(model, batches, accum, clip=None):
-    """Run train_one_epoch over ``batches`` and return the gradient of the one step."""
+    """Run train_step over ``batches`` (one optimizer step) and return its update."""
     parts = ModelParts([model])
     optimizer = torch.optim.SGD(parts.parameters(), lr=1.0)  # w' = w - grad
     before = [p.detach().clone() for p in parts.parameters()]
@@ -71,9 +66,11 @@ def _one_step(model, batches, accum, clip=None):
     cfg = TrainConfig(grad_accum=accum, clip_grad=clip)
     recipe = Recipe(criterion=nn.CrossEntropyLoss(), precision=Precision("32", runtime.device),
                     grad_accum=accum, clip_grad=clip)  # fmt: skip
-    progress = Progress()
-    train_one_epoch(parts, batches, optimizer, runtime, _Control(cfg), progress, None, recipe)
-    assert progress.global_step == 1
+    control = StepControl(cfg, runtime, save=None, guard=PreemptionGuard())
+    run = SimpleNamespace(parts=parts, recipe=recipe, optimizer=optimizer, progress=Progress(),
+                          control=control, board=Board(Path("unused"), False, 1))  # fmt: skip
+    train_step(run, iter(batches), len(batches))
+    assert run.progress.global_step == 1
     return [b - p.detach() for b, p in zip(before, parts.parameters(), strict=True)]
 
 

@@ -8,7 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from paratrain.dist import comm
+from paratrain.distributed import comm
 
 SMALLEST_MESSAGE = 4 * 1024
 

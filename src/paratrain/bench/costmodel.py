@@ -100,8 +100,10 @@ class Network:
     def describe(self) -> str:
         if not self.per_node or self.intra is None:
             return f"ring all-reduce on {self.link.describe()}"
-        return (f"hierarchical all-reduce: {self.per_node} devices per node on "
-                f"{self.intra.describe()}; between nodes {self.link.describe()}")
+        return (
+            f"hierarchical all-reduce: {self.per_node} devices per node on "
+            f"{self.intra.describe()}; between nodes {self.link.describe()}"
+        )
 
 
 # --- fitting alpha and beta -------------------------------------------------------------
@@ -136,11 +138,18 @@ def fit_alpha_beta(samples: Iterable[tuple[int, float, float]]) -> LinkFit:
     (alpha, inverse_beta), *_ = np.linalg.lstsq(design, np.ones_like(times), rcond=None)
     if alpha < 0 or inverse_beta <= 0:  # keep the physical quantities physical
         alpha = max(alpha, 0.0)
-        inverse_beta = max(float(np.sum(volume * (times - alpha * hops)) / np.sum(volume**2)), 1e-15)
+        inverse_beta = max(
+            float(np.sum(volume * (times - alpha * hops)) / np.sum(volume**2)), 1e-15
+        )
     predicted = alpha * hops + inverse_beta * volume
     errors = np.abs(predicted - times) / times
-    return LinkFit(float(alpha), float(1 / inverse_beta), float(np.sqrt(np.mean(errors**2))),
-                   float(errors.max()), len(rows))
+    return LinkFit(
+        float(alpha),
+        float(1 / inverse_beta),
+        float(np.sqrt(np.mean(errors**2))),
+        float(errors.max()),
+        len(rows),
+    )
 
 
 # --- one training step ------------------------------------------------------------------
@@ -170,9 +179,12 @@ class StepProfile:
     def scaled(self, factor: float) -> StepProfile:
         """Every phase ``factor`` times longer: the compute of a process that shares its
         machine with others (measured as the no_sync step at that N)."""
-        return StepProfile(factor * self.before_backward_s, factor * self.backward_s,
-                           factor * self.after_backward_s,
-                           [(factor * when, nbytes) for when, nbytes in self.gradients])
+        return StepProfile(
+            factor * self.before_backward_s,
+            factor * self.backward_s,
+            factor * self.after_backward_s,
+            [(factor * when, nbytes) for when, nbytes in self.gradients],
+        )
 
 
 def ddp_buckets(
@@ -237,8 +249,18 @@ def predict(
         step = profile.compute_s + exposed
         speedup = n * profile.compute_s / step
         steps_per_epoch = math.ceil(epoch_images / (batch_size * n))
-        out.append(Prediction(n, step, total, exposed, n * batch_size / step, speedup,
-                              speedup / n, steps_per_epoch * step))
+        out.append(
+            Prediction(
+                n,
+                step,
+                total,
+                exposed,
+                n * batch_size / step,
+                speedup,
+                speedup / n,
+                steps_per_epoch * step,
+            )
+        )
     return out
 
 
@@ -301,5 +323,6 @@ def calibrate(points: Sequence[tuple[int, float]]) -> Calibration:
                 best = np.zeros(3)
                 best[list(active)] = coef
                 best_residual = residual
-    return Calibration(float(best[0]), float(best[1]), float(best[2]),
-                       tuple((int(n), float(t)) for n, t in points))
+    return Calibration(
+        float(best[0]), float(best[1]), float(best[2]), tuple((int(n), float(t)) for n, t in points)
+    )

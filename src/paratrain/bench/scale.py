@@ -77,8 +77,17 @@ def _environ(**values: str) -> Iterator[None]:
 
 
 # the TrainConfig fields that change what a training step costs: `paratrain bench`'s flags
-STEP_FIELDS = ("model", "image_size", "batch_size", "device", "precision", "memory_format",
-               "bucket_cap_mb", "grad_compression", "compile")
+STEP_FIELDS = (
+    "model",
+    "image_size",
+    "batch_size",
+    "device",
+    "precision",
+    "memory_format",
+    "bucket_cap_mb",
+    "grad_compression",
+    "compile",
+)
 
 
 def _bench_argv(cfg: TrainConfig, opts: ScaleOptions, result_file: Path, sweep: bool) -> list[str]:
@@ -96,15 +105,17 @@ def _bench_argv(cfg: TrainConfig, opts: ScaleOptions, result_file: Path, sweep: 
 
 
 def _launched(n: int, threads: int, cfg: TrainConfig, opts: ScaleOptions, sweep: bool) -> dict:
-    from paratrain.dist.launch import launch
+    from paratrain.distributed.launch import launch
 
     with tempfile.TemporaryDirectory(prefix="paratrain-scale-") as tmp:
         result_file = Path(tmp) / "result.json"
         with _environ(PARATRAIN_THREADS=str(threads), OMP_NUM_THREADS=str(threads)):
             code = launch(n, _bench_argv(cfg, opts, result_file, sweep))
         if code or not result_file.exists():
-            raise UserError(f"the run at {n} processes failed (exit code {code}); "
-                            f"`paratrain bench --nproc {n}` with the same flags shows why")
+            raise UserError(
+                f"the run at {n} processes failed (exit code {code}); "
+                f"`paratrain bench --nproc {n}` with the same flags shows why"
+            )
         return json.loads(result_file.read_text())
 
 
@@ -113,8 +124,8 @@ def measure(cfg: TrainConfig, opts: ScaleOptions, say=print):
     import torch
 
     from paratrain.bench.step import gradient_order, run_bench
-    from paratrain.dist.env import detect
-    from paratrain.dist.runtime import distributed
+    from paratrain.distributed.env import detect
+    from paratrain.distributed.runtime import distributed
 
     cores = available_cores()
     same = max(1, cores // opts.nproc_max)
@@ -143,8 +154,10 @@ def measure(cfg: TrainConfig, opts: ScaleOptions, say=print):
             say(f"measuring {n} processes x {threads} thread(s) ...")
             out = _launched(n, threads, cfg, opts, sweep=threads == same)
             samples += [tuple(s) for s in out.get("all_reduce") or []]
-            rows += [_row(out["bench"], threads, series)
-                     for series in _series(threads, same, per_process)]
+            rows += [
+                _row(out["bench"], threads, series)
+                for series in _series(threads, same, per_process)
+            ]
     for series in (SAME_THREADS, SAME_CORES):
         base = next(r for r in rows if r.series == series and r.n == 1)
         for r in rows:
@@ -160,8 +173,15 @@ def _series(threads: int, same: int, sharing: int) -> list[str]:
 
 
 def _row(result: dict, threads: int, series: str) -> Measured:
-    return Measured(result["world_size"], threads, series, result["step_ms"],
-                    result["no_sync_step_ms"], result["communication_ms"], result["images_per_s"])
+    return Measured(
+        result["world_size"],
+        threads,
+        series,
+        result["step_ms"],
+        result["no_sync_step_ms"],
+        result["communication_ms"],
+        result["images_per_s"],
+    )
 
 
 def report(
@@ -175,14 +195,18 @@ def report(
     fit = costmodel.fit_alpha_beta(samples) if samples else None
     link = opts.link or (fit.link() if fit else None)
     if link is None:
-        raise UserError("no all-reduce was measured (--nproc-max 1): give --link or "
-                        "--bandwidth and --latency to predict")
-    network = costmodel.Network(link, opts.gpus_per_node,
-                                opts.intra_link if opts.gpus_per_node else None)
+        raise UserError(
+            "no all-reduce was measured (--nproc-max 1): give --link or "
+            "--bandwidth and --latency to predict"
+        )
+    network = costmodel.Network(
+        link, opts.gpus_per_node, opts.intra_link if opts.gpus_per_node else None
+    )
 
     def predicted(ns, net):
-        return costmodel.predict(profile, ns, net, cfg.batch_size, cfg.bucket_cap_mb,
-                                 opts.epoch_images)
+        return costmodel.predict(
+            profile, ns, net, cfg.batch_size, cfg.bucket_cap_mb, opts.epoch_images
+        )
 
     # Beside each measurement: that N's own compute (its no_sync step: processes sharing
     # a machine slow each other down, which no link model knows) plus the modelled
@@ -193,26 +217,42 @@ def report(
         alone = 1000 * profile.compute_s
         for r in rows:
             if r.series == SAME_THREADS:
-                p = costmodel.predict(profile.scaled(r.compute_ms / alone), [r.n], here,
-                                      cfg.batch_size, cfg.bucket_cap_mb)[0]
+                p = costmodel.predict(
+                    profile.scaled(r.compute_ms / alone),
+                    [r.n],
+                    here,
+                    cfg.batch_size,
+                    cfg.bucket_cap_mb,
+                )[0]
                 pure = costmodel.predict(profile, [r.n], here, cfg.batch_size, cfg.bucket_cap_mb)[0]
-                comparison.append({"n": r.n, "measured_ms": r.step_ms, "compute_ms": r.compute_ms,
-                                   "predicted_ms": 1000 * p.step_s,
-                                   "from_one_process_ms": 1000 * pure.step_s,
-                                   "from_one_process_error_pct":
-                                       100 * (1000 * pure.step_s - r.step_ms) / r.step_ms,
-                                   "communication_ms": 1000 * p.communication_s,
-                                   "exposed_ms": 1000 * p.exposed_s,
-                                   "error_pct": 100 * (1000 * p.step_s - r.step_ms) / r.step_ms})
+                comparison.append(
+                    {
+                        "n": r.n,
+                        "measured_ms": r.step_ms,
+                        "compute_ms": r.compute_ms,
+                        "predicted_ms": 1000 * p.step_s,
+                        "from_one_process_ms": 1000 * pure.step_s,
+                        "from_one_process_error_pct": 100
+                        * (1000 * pure.step_s - r.step_ms)
+                        / r.step_ms,
+                        "communication_ms": 1000 * p.communication_s,
+                        "exposed_ms": 1000 * p.exposed_s,
+                        "error_pct": 100 * (1000 * p.step_s - r.step_ms) / r.step_ms,
+                    }
+                )
     ns = costmodel.powers_of_two(opts.max_n, also=[r.n for r in rows])
     presets = {}
     for name, preset in costmodel.PRESETS.items():
-        net = costmodel.Network(preset, opts.gpus_per_node,
-                                opts.intra_link if opts.gpus_per_node else None)
+        net = costmodel.Network(
+            preset, opts.gpus_per_node, opts.intra_link if opts.gpus_per_node else None
+        )
         at = {p.n: p for p in predicted([8, 64, opts.max_n], net)}
-        presets[name] = {"bandwidth_gbps": preset.bandwidth_gbps, "latency_us": preset.latency_us,
-                         "note": preset.note,
-                         "efficiency": {str(n): at[n].efficiency for n in sorted(at)}}
+        presets[name] = {
+            "bandwidth_gbps": preset.bandwidth_gbps,
+            "latency_us": preset.latency_us,
+            "note": preset.note,
+            "efficiency": {str(n): at[n].efficiency for n in sorted(at)},
+        }
     return {
         "model": cfg.model, "image_size": cfg.image_size, "batch_size": cfg.batch_size,
         "precision": cfg.precision, "cores": available_cores(), "nproc_max": opts.nproc_max,
@@ -247,16 +287,26 @@ def calibration_report(calibration: costmodel.Calibration, max_n: int) -> dict:
             "communication_s": calibration.communication_s,
             "speedup_limit": calibration.speedup_limit(),
             "points": [
-                {"n": n, "measured_s": t, "fitted_s": calibration.epoch_s(n), "speedup": measured_base / t,
-                 "error_pct": 100 * e, "communication_share": calibration.communication_share(n),
-                 "fixed_share": calibration.fixed_share(n)}
+                {
+                    "n": n,
+                    "measured_s": t,
+                    "fitted_s": calibration.epoch_s(n),
+                    "speedup": measured_base / t,
+                    "error_pct": 100 * e,
+                    "communication_share": calibration.communication_share(n),
+                    "fixed_share": calibration.fixed_share(n),
+                }
                 for (n, t), e in zip(calibration.measured, calibration.errors(), strict=True)
             ],  # fmt: skip
         },
         "predicted": [
-            {"n": n, "epoch_s": calibration.epoch_s(n), "speedup": base / calibration.epoch_s(n),
-             "efficiency": base / calibration.epoch_s(n) / n,
-             "communication_share": calibration.communication_share(n)}
+            {
+                "n": n,
+                "epoch_s": calibration.epoch_s(n),
+                "speedup": base / calibration.epoch_s(n),
+                "efficiency": base / calibration.epoch_s(n) / n,
+                "communication_share": calibration.communication_share(n),
+            }
             for n in ns
         ],  # fmt: skip
     }
@@ -281,10 +331,14 @@ def read_epoch_times(path: Path) -> list[tuple[int, float]]:
         except (ValueError, IndexError):
             if not points and number == 1 and not cells[0].isdigit():
                 continue  # a header
-            raise UserError(f"--calibrate {path} line {number}: expected 'n,seconds' with n >= 1 "
-                            f"and seconds > 0, got {line!r}") from None
+            raise UserError(
+                f"--calibrate {path} line {number}: expected 'n,seconds' with n >= 1 "
+                f"and seconds > 0, got {line!r}"
+            ) from None
         points.append((n, seconds))
     if len({n for n, _ in points}) < 3:
-        raise UserError(f"--calibrate {path}: needs epoch times at 3 or more different N, "
-                        f"found {len({n for n, _ in points})}")
+        raise UserError(
+            f"--calibrate {path}: needs epoch times at 3 or more different N, "
+            f"found {len({n for n, _ in points})}"
+        )
     return points

@@ -12,18 +12,18 @@ import contextlib
 import resource
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch import nn
 
 from paratrain.config import TrainConfig
-from paratrain.dist import comm
-from paratrain.dist.runtime import Runtime
-from paratrain.engine.evaluate import logits_of
+from paratrain.distributed import comm
+from paratrain.distributed.runtime import Runtime
+from paratrain.engine import precision as precision_module
 from paratrain.engine.precision import Precision
 from paratrain.engine.recipe import build_optimizer
-from paratrain.engine.trainer import build_model, build_precision
+from paratrain.models.registry import build_model, logits_of
 from paratrain.parallel import ModelParts, parallelize
 
 PHASES = ("data", "forward", "backward", "optimizer")
@@ -72,8 +72,9 @@ class _Setup:
 
 
 def _prepare(cfg: TrainConfig, rt: Runtime, classes: int = 10) -> _Setup:
-    # no_sync steps split out the communication, so no static graph (see parallel/ddp.py)
-    parts = parallelize(build_model(cfg, classes), cfg, rt, uses_no_sync=True)
+    # steps under no_sync split out the communication: for DDP that is what gradient
+    # accumulation does (no static graph, see parallel/ddp.py)
+    parts = parallelize(build_model(cfg, classes), replace(cfg, grad_accum=2), rt)
     pool = [
         (
             torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size, device=rt.device).to(
@@ -84,10 +85,16 @@ def _prepare(cfg: TrainConfig, rt: Runtime, classes: int = 10) -> _Setup:
         for _ in range(2)
     ]
     parts.train()
-    precision = build_precision(cfg, rt)
+    precision = precision_module.build(cfg, rt)
     precision.prepare(parts)
-    return _Setup(parts, build_optimizer(parts, cfg, rt.world_size), precision, pool,
-                  nn.CrossEntropyLoss(), rt.device)
+    return _Setup(
+        parts,
+        build_optimizer(parts, cfg, rt.world_size),
+        precision,
+        pool,
+        nn.CrossEntropyLoss(),
+        rt.device,
+    )
 
 
 def _timed_step(setup: _Setup, index: int, synced: bool = True) -> tuple[dict[str, float], float]:
@@ -126,7 +133,11 @@ def run_bench(cfg: TrainConfig, rt: Runtime, steps: int, warmup: int) -> BenchRe
     comm.barrier()
     synced = [_timed_step(setup, i)[0] for i in range(steps)]
     comm.barrier()
-    local = [_timed_step(setup, i, synced=False)[0] for i in range(steps)] if rt.world_size > 1 else synced
+    local = (
+        [_timed_step(setup, i, synced=False)[0] for i in range(steps)]
+        if rt.world_size > 1
+        else synced
+    )
     medians = {name: statistics.median(t[name] for t in synced) for name in PHASES}
     total = statistics.median(sum(t.values()) for t in synced)
     no_sync_total = statistics.median(sum(t.values()) for t in local)
@@ -157,7 +168,9 @@ def run_bench(cfg: TrainConfig, rt: Runtime, steps: int, warmup: int) -> BenchRe
     )
 
 
-def gradient_order(cfg: TrainConfig, rt: Runtime, steps: int, warmup: int) -> list[tuple[float, int]]:
+def gradient_order(
+    cfg: TrainConfig, rt: Runtime, steps: int, warmup: int
+) -> list[tuple[float, int]]:
     """When each gradient is ready, as a share of backward (median of ``steps`` steps),
     and its bytes on the wire, in the order backward produces them: what the cost model
     needs to place DDP's buckets inside backward."""

@@ -38,7 +38,7 @@ from paratrain.data.folder import (
     seeded,
 )
 from paratrain.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_resize
-from paratrain.dist import comm
+from paratrain.distributed import comm
 
 CACHE_FORMAT = 3  # 2: every file has a slot, bad.json lists the unreadable; 3: JPEG draft
 _ROTATED = {5, 6, 7, 8}  # EXIF orientations that swap width and height
@@ -144,7 +144,7 @@ def prepare(
     plan = _plan(samples, short, mode, max_gb, base / "decoded") if comm.is_main() else None
     action, directory, reason = comm.broadcast_object(plan)
     if action == "skip":
-        from paratrain.report.log import get_logger
+        from paratrain.log import get_logger
 
         get_logger().info(f"decoded-image cache off: {reason}")
         return None

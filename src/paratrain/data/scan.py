@@ -15,15 +15,9 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from paratrain.data.folder import DataSplit, image_problem
-from paratrain.dist import comm
-from paratrain.errors import UserError
-from paratrain.report.log import get_logger
-
-
-class AgreedUserError(UserError):
-    """Raised alike on every rank after an agreement; only rank 0 reports it."""
-
-    agreed = True
+from paratrain.distributed import comm
+from paratrain.errors import AgreedUserError
+from paratrain.log import get_logger
 
 
 class _Probe(Dataset):

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from paratrain.dist import comm
+from paratrain.distributed import comm
+from paratrain.models.registry import logits_of
 
 
 @dataclass(frozen=True)
@@ -32,11 +33,6 @@ class EvalResult:
     def per_class_accuracy(self) -> list[float]:
         totals = self.confusion.sum(dim=1).clamp(min=1)
         return (self.confusion.diagonal() / totals).tolist()
-
-
-def logits_of(output) -> torch.Tensor:
-    """Models such as GoogLeNet return a named tuple in training mode."""
-    return output.logits if hasattr(output, "logits") else output
 
 
 def _full_batch_logits(

@@ -77,12 +77,33 @@ class Precision:
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
 
-    def step(self, optimizer) -> None:
-        if self.scaler is None:
-            optimizer.step()
-        else:
+    def step(self, optimizer, found_inf: torch.Tensor | None = None) -> None:
+        """The optimizer step. Under 16-mixed the GradScaler hands the scale and its inf
+        check to torch's fused SGD/AdamW kernels, so nothing is read back to the host.
+        ``found_inf`` (a device flag, > 0 to skip) goes the same way to a fused kernel,
+        which then leaves weights and optimizer state as they were; not with a scaler."""
+        if self.scaler is not None:
             self.scaler.step(optimizer)
             self.scaler.update()
+        elif found_inf is None:
+            optimizer.step()
+        else:
+            optimizer.found_inf = found_inf.float().reshape(())
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.found_inf
+
+
+def build(cfg, runtime) -> Precision:
+    """``--precision`` resolved for this process's device; an impossible choice fails
+    alike on every rank (the same device type everywhere) and rank 0 tells it."""
+    from paratrain.errors import AgreedUserError
+
+    try:
+        return Precision(resolve(cfg.precision, runtime.device), runtime.device)
+    except UserError as exc:
+        raise AgreedUserError(str(exc)) from None
 
 
 def _fp32_when_strided_over_one_pixel(module: torch.nn.Module, args: tuple):

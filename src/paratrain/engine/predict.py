@@ -13,9 +13,8 @@ from paratrain.config import TrainConfig
 from paratrain.data.folder import IMAGE_EXTENSIONS, load_rgb
 from paratrain.data.transforms import eval_resize, eval_transform
 from paratrain.engine import checkpoint
-from paratrain.engine.evaluate import logits_of
 from paratrain.errors import UserError
-from paratrain.models.registry import create_model
+from paratrain.models.registry import create_model, logits_of
 
 
 def collect_images(inputs: Sequence[str]) -> list[str]:

@@ -15,7 +15,7 @@ import subprocess
 import threading
 from collections.abc import Mapping
 
-from paratrain.report.log import get_logger
+from paratrain.log import get_logger
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -51,6 +51,12 @@ class PreemptionGuard:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+    def __enter__(self) -> PreemptionGuard:
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.uninstall()
 
     def _handle(self, signum: int, frame) -> None:
         if self.signum:  # a second signal: do not wait any longer

@@ -6,14 +6,42 @@ an option is on or off.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.optim.sgd import sgd
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from paratrain.config import TrainConfig
+from paratrain.engine.precision import Precision
 from paratrain.engine.schedule import effective_lr
 from paratrain.parallel import ModelParts
+
+
+@dataclass
+class Recipe:
+    """What the loop applies around each step; built once from the config."""
+
+    criterion: nn.Module
+    precision: Precision
+    mixer: object | None = None  # (images, labels) -> (mixed images, soft targets)
+    ema: EMA | None = None
+    grad_accum: int = 1
+    clip_grad: float | None = None
+
+
+def build_recipe(
+    cfg: TrainConfig, parts: ModelParts, num_classes: int, precision: Precision
+) -> Recipe:
+    return Recipe(
+        criterion=build_criterion(cfg),
+        precision=precision,
+        mixer=build_mixer(cfg, num_classes),
+        ema=EMA(parts, cfg.ema_decay) if cfg.ema_decay else None,
+        grad_accum=cfg.grad_accum,
+        clip_grad=cfg.clip_grad,
+    )
 
 
 def build_optimizer(parts: ModelParts, cfg: TrainConfig, world_size: int) -> torch.optim.Optimizer:
@@ -99,13 +127,6 @@ class StorageOrderSGD(torch.optim.SGD):
                 for p, buffer, v in zip(params, buffer_views, viewed, strict=True):
                     self.state[p]["momentum_buffer"] = buffer.permute(0, 3, 1, 2) if v else buffer
         return loss
-
-
-def optimizer_slots(opt: str, momentum: float) -> int:
-    """Tensors of optimizer state per parameter: AdamW's two moments, SGD's momentum."""
-    if opt == "adamw":
-        return 2
-    return 1 if momentum > 0 else 0
 
 
 def build_criterion(cfg: TrainConfig) -> nn.Module:

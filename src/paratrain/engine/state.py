@@ -1,31 +1,66 @@
-"""What a checkpoint holds beyond the model: RNG states, and the full training state."""
+"""Where training stands (Progress) and the random-number states a checkpoint keeps.
+
+Everything here is saved as plain Python values and tensors, so a checkpoint loads with
+``torch.load(weights_only=True)``: no pickled objects, nothing that runs code.
+"""
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from paratrain.dist import comm
+from paratrain.distributed import comm
+
+
+@dataclass
+class Progress:
+    """Where training stands: enough to resume in the middle of an epoch."""
+
+    epoch: int = 0  # the epoch being trained (0-based)
+    step_in_epoch: int = 0  # optimizer steps done in it
+    consumed: int = 0  # samples of the epoch's global order trained on (all replicas)
+    global_step: int = 0
+    skipped_steps: int = 0
+    best_top1: float = -1.0
+    # this process's (loss x n, correct, n) over the epoch so far, where the loss is
+    totals: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))
+
+    def start_epoch(self, epoch: int) -> None:
+        self.epoch, self.step_in_epoch, self.consumed = epoch, 0, 0
+        self.totals = torch.zeros(3, dtype=torch.float64, device=self.totals.device)
 
 
 def rng_state() -> dict[str, Any]:
+    """This process's generators, as plain values and tensors."""
+    version, mt, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
     return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": {"version": version, "state": list(mt), "gauss": gauss},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        },  # fmt: skip
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
     }
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+    npy = state["numpy"]
+    keys = npy["keys"].numpy().astype(np.uint32)
+    np.random.set_state((npy["kind"], keys, npy["pos"], npy["has_gauss"], npy["cached"]))
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
 
 
 def gathered_rng_states() -> list[dict[str, Any]]:

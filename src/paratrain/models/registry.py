@@ -10,7 +10,9 @@ import torch
 import torchvision
 from torch import nn
 
-from paratrain.errors import UserError
+from paratrain.config import TrainConfig
+from paratrain.errors import AgreedUserError, UserError
+from paratrain.log import get_logger
 
 # Prefixes that wrappers add to parameter names: DDP/DataParallel and torch.compile.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -35,6 +37,11 @@ def create_model(name: str, num_classes: int, image_size: int | None = None) -> 
         kwargs["aux_logits"] = False
         kwargs["init_weights"] = True
     return torchvision.models.get_model(name, **kwargs)
+
+
+def logits_of(output) -> torch.Tensor:
+    """Models such as GoogLeNet return a named tuple in training mode."""
+    return output.logits if hasattr(output, "logits") else output
 
 
 def strip_prefixes(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -153,3 +160,25 @@ def freeze_backbone(model: nn.Module, name: str = "") -> tuple[str, int, int]:
         param.requires_grad_(True)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return head, trained, sum(p.numel() for p in model.parameters())
+
+
+def build_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
+    """The configured model with its --weights and --freeze-backbone. Seeded alike on
+    every rank, so every rank builds identical initial weights; a bad name or weights
+    file fails on every rank alike, and rank 0 alone reports it."""
+    torch.manual_seed(cfg.seed)
+    try:
+        model = create_model(cfg.model, num_classes, cfg.image_size)
+        if cfg.weights:
+            weights = read_state_dict(cfg.weights)
+            report = load_weights(model, weights, cfg.weights_strict, cfg.weights)
+            get_logger().info(report.summary(cfg.weights))
+    except UserError as exc:
+        raise AgreedUserError(str(exc)) from None
+    if cfg.freeze_backbone:
+        head, trained, total = freeze_backbone(model, cfg.model)
+        get_logger().info(
+            f"--freeze-backbone: training only `{head}`, {trained:,} of {total:,} parameters"
+            + ("" if cfg.weights else " (no --weights: the frozen backbone stays random)")
+        )
+    return model

@@ -7,8 +7,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from paratrain.config import TrainConfig
-from paratrain.data.scan import AgreedUserError
-from paratrain.dist.runtime import Runtime
+from paratrain.distributed.runtime import Runtime
+from paratrain.errors import AgreedUserError
+from paratrain.parallel.parts import ModelParts, memory_format_for
 
 # PowerSGD's hook starts collectives from future callbacks; gloo cannot keep those in
 # the same order on every rank (measured: a size mismatch and SIGABRT at the first
@@ -18,14 +19,21 @@ POWERSGD_NEEDS_NCCL = (
 )
 
 
-def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime, static_graph: bool = True):
-    """``static_graph``: every torchvision classifier uses the same parameters every step
-    (auxiliary heads are switched off), so DDP may trace its graph once and skip the
-    per-step search for unused parameters. Not with ``no_sync`` (gradient accumulation,
-    bench's communication split): torch 2.14.1 fails an internal assert
-    (``expect_autograd_hooks_``, reducer.cpp) on the first backward, measured here."""
-    from paratrain.parallel import ModelParts
+def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> ModelParts:
+    """The model on this process's device; wrapped in DDP when there are several.
 
+    Every torchvision classifier uses the same parameters every step (auxiliary heads
+    are switched off), so DDP may trace its graph once (``static_graph``) and skip the
+    per-step search for unused parameters. Not when steps run under ``no_sync``
+    (``--grad-accum`` > 1, and bench's communication split, which says so the same way):
+    torch 2.14.1 fails an internal assert (``expect_autograd_hooks_``, reducer.cpp) on
+    the first backward, measured here."""
+    fmt = memory_format_for(model, cfg.memory_format, runtime.device)
+    model = model.to(runtime.device, memory_format=fmt)
+    placed = dict(devices=[runtime.device], replicas=runtime.world_size, replica=runtime.rank,
+                  memory_format=fmt)  # fmt: skip
+    if runtime.world_size == 1:
+        return ModelParts([model], **placed)
     device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
     wrapped = DistributedDataParallel(
         model,
@@ -33,10 +41,10 @@ def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime, static_graph: bo
         # DDP's buckets become the .grad tensors: one copy of the gradients, not two.
         gradient_as_bucket_view=True,
         bucket_cap_mb=cfg.bucket_cap_mb,
-        static_graph=static_graph,
+        static_graph=cfg.grad_accum == 1,
     )
     register_compression(wrapped, cfg.grad_compression)
-    return ModelParts([wrapped])
+    return ModelParts([wrapped], **placed)
 
 
 def register_compression(wrapped: DistributedDataParallel, kind: str) -> None:

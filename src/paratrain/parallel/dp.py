@@ -13,9 +13,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paratrain.dist.runtime import Runtime
+from paratrain.config import TrainConfig
+from paratrain.distributed.runtime import Runtime
 from paratrain.errors import UserError
-from paratrain.report.log import get_logger
+from paratrain.log import get_logger
+from paratrain.parallel.parts import ModelParts
 
 
 def check_available(world_size: int) -> int:
@@ -33,14 +35,14 @@ def check_available(world_size: int) -> int:
     return torch.cuda.device_count()
 
 
-def apply(model: nn.Module, runtime: Runtime):
-    from paratrain.parallel import ModelParts
-
+def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> ModelParts:
+    """The model on the first GPU, wrapped to split every batch over all of them."""
     devices = check_available(runtime.world_size)
     get_logger().info(
         f"DataParallel over {devices} GPU(s) in one process; --batch-size is split across "
         "them. DistributedDataParallel (--nproc N) is preferred: no model copy per step, no "
         "shared GIL, gradient communication overlapped with the backward pass"
     )
-    model = model.to(torch.device("cuda", 0))
-    return ModelParts([nn.DataParallel(model, device_ids=list(range(devices)))])
+    first = torch.device("cuda", 0)
+    model = model.to(first)
+    return ModelParts([nn.DataParallel(model, device_ids=list(range(devices)))], devices=[first])

@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from paratrain.config import TrainConfig
-from paratrain.dist.runtime import Runtime
+from paratrain.distributed.runtime import Runtime
 from paratrain.errors import UserError
-from paratrain.parallel import ModelParts, unified
+from paratrain.parallel import unified
+from paratrain.parallel.parts import ModelParts
 
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -44,8 +45,10 @@ def blocks(model: nn.Module) -> list[nn.Module]:
 class FSDPParts(ModelParts):
     collective_state = True  # each rank holds a shard
 
-    def __init__(self, model: nn.Module, full_names: list[str]):
-        super().__init__([model])
+    def __init__(self, model: nn.Module, full_names: list[str], runtime: Runtime):
+        super().__init__(
+            [model], devices=[runtime.device], replicas=runtime.world_size, replica=runtime.rank
+        )  # contiguous: FSDP2 shards contiguous parameters only
         self.full_names = full_names
 
     def agree_buffers(self) -> None:
@@ -107,7 +110,8 @@ class FSDPParts(ModelParts):
         )
 
 
-def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime, memory_format) -> FSDPParts:
+def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> FSDPParts:
+    """Every block sharded over every process, then the root."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -122,4 +126,4 @@ def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime, memory_format) -
     for block in blocks(model):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return FSDPParts(model, full_names)
+    return FSDPParts(model, full_names, runtime)

@@ -25,6 +25,13 @@ from torch import nn
 from paratrain.errors import UserError
 
 
+def optimizer_slots(opt: str, momentum: float) -> int:
+    """Tensors of optimizer state per parameter: AdamW's two moments, SGD's momentum."""
+    if opt == "adamw":
+        return 2
+    return 1 if momentum > 0 else 0
+
+
 @dataclass
 class Unit:
     """Consecutive graph nodes between two cut points."""

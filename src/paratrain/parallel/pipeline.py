@@ -19,13 +19,12 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.config import TrainConfig
-from paratrain.data.scan import AgreedUserError
-from paratrain.dist import comm
-from paratrain.dist.runtime import Runtime
-from paratrain.engine.recipe import optimizer_slots
-from paratrain.errors import UserError
-from paratrain.parallel import ModelParts, partition, unified
-from paratrain.report.log import get_logger
+from paratrain.distributed import comm
+from paratrain.distributed.runtime import Runtime
+from paratrain.errors import AgreedUserError, UserError
+from paratrain.log import get_logger
+from paratrain.parallel import partition, unified
+from paratrain.parallel.parts import ModelParts
 
 
 class _Loss:
@@ -49,8 +48,17 @@ class PipelineParts(ModelParts):
     fixed_batch = True  # the stages' buffers are sized by the first micro-batches
     collective_state = True  # each rank holds one stage
 
-    def __init__(self, module, schedule, loss, stage, stages, dp_group, full_names):
-        super().__init__([module])
+    def __init__(
+        self, module, schedule, loss, stage, stages, dp_group, full_names, runtime: Runtime
+    ):
+        # contiguous: the receive buffers for gradients would take channels_last strides,
+        # which gloo and NCCL refuse (torch 2.14)
+        super().__init__(
+            [module],
+            devices=[runtime.device],
+            replicas=runtime.world_size // stages,
+            replica=runtime.rank // stages,
+        )
         self.schedule, self.loss, self.stage, self.stages = schedule, loss, stage, stages
         self.dp_group, self.full_names = dp_group, full_names
         self.local_names = unified.trainable_names(module)
@@ -127,7 +135,8 @@ def _gather_to_main(obj) -> list:
     return gathered or []
 
 
-def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime, memory_format) -> PipelineParts:
+def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> PipelineParts:
+    """This process's stage of the model, in a schedule over micro-batches."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     stages, world = cfg.stages, runtime.world_size
@@ -150,9 +159,11 @@ def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime, memory_format) -
     # rank 0 measures and decides; timings differ between processes, the cut must not
     if runtime.is_main:
         micro = cfg.batch_size // cfg.microbatches  # what a stage computes at once
-        partition.measure(traced, partition.sample_images(cfg.image_size, micro, memory_format))
+        partition.measure(
+            traced, partition.sample_images(cfg.image_size, micro, torch.contiguous_format)
+        )
         if starts is None:  # the whole batch's activations: GPipe's case, 1F1B's bound
-            slots = optimizer_slots(cfg.opt, cfg.momentum)
+            slots = partition.optimizer_slots(cfg.opt, cfg.momentum)
             limit = partition.device_memory(runtime.device)
             starts = partition.choose_starts(traced, stages, cfg.batch_size, slots, limit)
         where = [f"rank {s}" + (f" (and {replicas - 1} replica(s))" if replicas > 1 else "")
@@ -166,6 +177,6 @@ def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime, memory_format) -
     loss = _Loss(cfg.microbatches)
     kind = ScheduleGPipe if cfg.schedule == "gpipe" else Schedule1F1B
     schedule = kind(pipe_stage, n_microbatches=cfg.microbatches, loss_fn=loss, scale_grads=False)
-    parts = PipelineParts(module, schedule, loss, stage, stages, dp_groups[stage], full_names)
-    parts.replicas, parts.replica = replicas, replica
-    return parts
+    return PipelineParts(
+        module, schedule, loss, stage, stages, dp_groups[stage], full_names, runtime
+    )

@@ -9,12 +9,11 @@ import torch
 from torch import nn
 
 from paratrain.config import TrainConfig
-from paratrain.data.scan import AgreedUserError
-from paratrain.dist.runtime import Runtime
-from paratrain.engine.recipe import optimizer_slots
-from paratrain.errors import UserError
+from paratrain.distributed.runtime import Runtime
+from paratrain.errors import AgreedUserError, UserError
+from paratrain.log import get_logger
 from paratrain.parallel import partition
-from paratrain.report.log import get_logger
+from paratrain.parallel.parts import ModelParts, memory_format_for
 
 
 def parse_devices(text: str | None) -> list[torch.device]:
@@ -38,20 +37,21 @@ def parse_devices(text: str | None) -> list[torch.device]:
     return devices
 
 
-def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime, memory_format):
-    from paratrain.parallel import ModelParts
-
+def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> ModelParts:
+    """Consecutive stages of the model on ``--devices``, in this one process."""
     if runtime.world_size > 1:  # every rank alike: told once
         raise AgreedUserError(
             "--strategy split runs in one process; use --strategy pipeline across processes"
         )
     devices = parse_devices(cfg.devices)
+    memory_format = memory_format_for(model, cfg.memory_format, devices[0])
+    model = model.to(memory_format=memory_format)
     # profiled on the CPU, where the whole model is (it may not fit any one device)
     sample = partition.sample_images(cfg.image_size, cfg.batch_size, memory_format)
     limits = [partition.device_memory(device) for device in devices]
     traced, starts = partition.plan_stages(
         model, len(devices), sample, cfg.split_point_list(), model_name=cfg.model,
-        slots=optimizer_slots(cfg.opt, cfg.momentum),
+        slots=partition.optimizer_slots(cfg.opt, cfg.momentum),
         limit=min(limits) if None not in limits else None,
     )  # fmt: skip
     get_logger().info(
@@ -60,6 +60,5 @@ def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime, memory_format):
         )
     )
     stages = partition.build_stages(traced, starts)
-    parts = ModelParts(stage.to(device) for stage, device in zip(stages, devices, strict=True))
-    parts.devices = devices
-    return parts
+    placed = (stage.to(device) for stage, device in zip(stages, devices, strict=True))
+    return ModelParts(placed, devices=devices, memory_format=memory_format)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from paratrain.dist.runtime import Runtime
+from paratrain.distributed.runtime import Runtime
 
 
 def _all_reduce(tensor: torch.Tensor, group) -> torch.Tensor:

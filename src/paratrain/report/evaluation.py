@@ -5,14 +5,19 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+import torch
+
 from paratrain.data.folder import DataSplit
-from paratrain.engine.evaluate import EvalResult
 from paratrain.report.plots import plot_confusion
 
 
-def write_evaluation(result: EvalResult, split: DataSplit, out: Path) -> Path:
+def write_evaluation(
+    confusion: torch.Tensor, predictions: list[tuple[int, int]], split: DataSplit, out: Path
+) -> Path:
+    """``confusion``: [true, predicted] counts; ``predictions``: (val index, predicted
+    class) for every validation image."""
     out.mkdir(parents=True, exist_ok=True)
-    classes, matrix = split.classes, result.confusion
+    classes, matrix = split.classes, confusion
     with open(out / "per_class.csv", "w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["class", "correct", "total", "accuracy"])
@@ -29,7 +34,7 @@ def write_evaluation(result: EvalResult, split: DataSplit, out: Path) -> Path:
     with open(out / "misclassified.csv", "w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["path", "true", "predicted"])
-        for index, predicted in result.predictions:
+        for index, predicted in predictions:
             path, label = split.val[index]
             if predicted != label:
                 writer.writerow([path, classes[label], classes[predicted]])

@@ -15,7 +15,9 @@ CSV_COLUMNS = ("source", "n", "threads", "step_ms", "communication_ms", "images_
 
 def _table(header: list[str], rows: list[list[str]], indent: str = "  ") -> list[str]:
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
-    line = lambda cells: indent + "  ".join(str(c).rjust(w) for c, w in zip(cells, widths, strict=True))  # noqa: E731
+    line = lambda cells: (
+        indent + "  ".join(str(c).rjust(w) for c, w in zip(cells, widths, strict=True))
+    )  # noqa: E731
     return [line(header), *(line(r) for r in rows)]
 
 
@@ -24,8 +26,10 @@ def _pct(x: float) -> str:
 
 
 def format_measured(report: dict) -> str:
-    lines = [f"{report['model']} at {report['image_size']}px, batch {report['batch_size']} per "
-             f"process, {report['cores']} cores; weak scaling (the batch per process is fixed)"]
+    lines = [
+        f"{report['model']} at {report['image_size']}px, batch {report['batch_size']} per "
+        f"process, {report['cores']} cores; weak scaling (the batch per process is fixed)"
+    ]
     lines.append("measured:")
     lines += _table(
         ["series", "N", "threads", "step ms", "images/s", "speedup", "efficiency"],
@@ -47,8 +51,10 @@ def format_measured(report: dict) -> str:
         f"{p['gradient_mb']:.1f} MB in {p['buckets']} DDP bucket(s)"
     )
     if report["comparison"]:
-        lines.append("predicted beside measured (same threads per process; predicted = that N's "
-                     "compute, its no_sync step, + the modelled all-reduce on the link fitted here):")
+        lines.append(
+            "predicted beside measured (same threads per process; predicted = that N's "
+            "compute, its no_sync step, + the modelled all-reduce on the link fitted here):"
+        )
         lines += _table(
             ["N", "measured ms", "compute ms", "all-reduce ms", "exposed ms", "predicted ms",
              "error", "from 1 process alone"],
@@ -58,10 +64,13 @@ def format_measured(report: dict) -> str:
               f"{c['from_one_process_ms']:.1f} ({c['from_one_process_error_pct']:+.1f}%)"]
              for c in report["comparison"]],
         )  # fmt: skip
-        lines.append("  (from 1 process alone: one process's compute, as a device would keep it; "
-                     "the gap is what processes sharing these cores cost each other)")
-    lines.append(f"predicted, {report['network']} (each device computing as one process "
-                 "alone here):")
+        lines.append(
+            "  (from 1 process alone: one process's compute, as a device would keep it; "
+            "the gap is what processes sharing these cores cost each other)"
+        )
+    lines.append(
+        f"predicted, {report['network']} (each device computing as one process alone here):"
+    )
     lines += _table(
         ["N", "step ms", "all-reduce ms", "exposed ms", "images/s", "speedup", "efficiency",
          f"epoch s ({report['epoch_images']} img)"],
@@ -96,7 +105,9 @@ def format_calibration(report: dict, source: str) -> str:
     limit = c["speedup_limit"]
     lines.append(
         f"implied fixed cost {c['fixed_s']:.3g} s per epoch: no N can beat it, so the speedup "
-        f"stays below {limit:.1f}x" if math.isfinite(limit) else "no fixed cost found"
+        f"stays below {limit:.1f}x"
+        if math.isfinite(limit)
+        else "no fixed cost found"
     )
     lines.append("extrapolated:")
     lines += _table(
@@ -110,11 +121,22 @@ def format_calibration(report: dict, source: str) -> str:
 def _csv_rows(report: dict) -> list[dict]:
     rows = []
     for m in report.get("measured", []):
-        epoch = math.ceil(report["epoch_images"] / (report["batch_size"] * m["n"])) * m["step_ms"] / 1000
+        epoch = (
+            math.ceil(report["epoch_images"] / (report["batch_size"] * m["n"]))
+            * m["step_ms"]
+            / 1000
+        )
         rows.append({**m, "source": f"measured, {m['series']}", "epoch_s": epoch})
     for p in report.get("calibration", {}).get("points", []):
-        rows.append({"source": "measured", "n": p["n"], "epoch_s": p["measured_s"],
-                     "speedup": p["speedup"], "communication_share": p["communication_share"]})
+        rows.append(
+            {
+                "source": "measured",
+                "n": p["n"],
+                "epoch_s": p["measured_s"],
+                "speedup": p["speedup"],
+                "communication_share": p["communication_share"],
+            }
+        )
     for r in report["predicted"]:
         row = {**r, "source": "predicted"}
         if "step_s" in r:
@@ -149,8 +171,14 @@ def _plot(rows: list[dict], key: str, label: str, path: Path, ideal: bool) -> No
     sources = dict.fromkeys(r["source"] for r in rows if r["source"] != "predicted")
     for source, (marker, size) in zip(sources, [("o", 7), ("s", 11), ("^", 11)], strict=False):
         points = [r for r in rows if r["source"] == source and r.get(key) is not None]
-        ax.plot([r["n"] for r in points], [r[key] for r in points], marker, markersize=size,
-                fillstyle="full" if marker == "o" else "none", label=source)  # both seen
+        ax.plot(
+            [r["n"] for r in points],
+            [r[key] for r in points],
+            marker,
+            markersize=size,
+            fillstyle="full" if marker == "o" else "none",
+            label=source,
+        )  # both seen
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("processes (devices) N")

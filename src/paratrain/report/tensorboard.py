@@ -1,7 +1,9 @@
 """TensorBoard scalars (``--tensorboard``), written by rank 0 into <run>/tensorboard.
 
-Per step (rank 0's batch): train/loss, train/acc, train/lr, train/images_per_s. Per epoch: every number of the
-metrics row under epoch/ (losses, accuracies, lr, images/s, EMA results when on).
+Per step (rank 0's batches; on CUDA summed over the steps between two reads, so that
+no step waits for the device): train/loss, train/acc, train/lr, train/images_per_s. Per
+epoch: every number of the metrics row under epoch/ (losses, accuracies, lr, images/s,
+EMA results when on).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ class Board:
         self.writer = None
         self.world_size = world_size
         self.last = time.perf_counter()
+        self.pending = None  # (loss x n, correct, n) of steps not yet written
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -25,6 +28,17 @@ class Board:
 
     def start_epoch(self) -> None:
         self.last = time.perf_counter()
+
+    def add(self, step, global_step: int, lr: float, every: int) -> None:
+        """Count one step's (loss x n, correct, n), a tensor on the device; written (read
+        back) every ``every`` steps."""
+        self.pending = step if self.pending is None else self.pending + step
+        if global_step % every:
+            return
+        loss, correct, n = self.pending.tolist()
+        self.pending = None
+        if n:
+            self.step(global_step, loss / n, correct / n, lr, int(n))
 
     def step(self, global_step: int, loss: float, acc: float, lr: float, batch: int) -> None:
         now = time.perf_counter()
@@ -49,3 +63,9 @@ class Board:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+    def __enter__(self) -> Board:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

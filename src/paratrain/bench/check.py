@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.dist import comm
-from paratrain.dist.runtime import Runtime
+from paratrain.distributed import comm
+from paratrain.distributed.runtime import Runtime
 from paratrain.parallel.sync_batchnorm import SyncBatchNorm
 
 BANDWIDTH_SIZES_MB = (1, 16, 64)
@@ -50,12 +50,21 @@ def format_table(rows: list[Row]) -> str:
 
 
 def _backends(rt: Runtime) -> Row:
-    have = [name for name, ok in (("gloo", dist.is_gloo_available()),
-                                  ("nccl", dist.is_nccl_available()),
-                                  ("mpi", dist.is_mpi_available())) if ok]
+    have = [
+        name
+        for name, ok in (
+            ("gloo", dist.is_gloo_available()),
+            ("nccl", dist.is_nccl_available()),
+            ("mpi", dist.is_mpi_available()),
+        )
+        if ok
+    ]
     cuda = f"cuda x{torch.cuda.device_count()}" if torch.cuda.is_available() else "no cuda"
-    return Row("backends", bool(have), f"available: {', '.join(have) or 'none'}; {cuda}; "
-               f"using {rt.backend}")
+    return Row(
+        "backends",
+        bool(have),
+        f"available: {', '.join(have) or 'none'}; {cuda}; using {rt.backend}",
+    )
 
 
 def _placement(rt: Runtime) -> Row:
@@ -106,10 +115,14 @@ def _sync_bn(rt: Runtime) -> Row:
     out = synced(local)
     out.square().sum().backward()
     grad = comm.all_reduce_sum(synced[0].weight.grad.detach().cpu())
-    out_err = (out.detach().cpu() - reference[rt.rank * per_rank : (rt.rank + 1) * per_rank]).abs().max()
+    out_err = (
+        (out.detach().cpu() - reference[rt.rank * per_rank : (rt.rank + 1) * per_rank]).abs().max()
+    )
     grad_err = ((grad - ref_grad).abs().max() / ref_grad.abs().max()).item()
     ok = out_err.item() < 1e-4 and grad_err < 1e-4
-    return Row("SyncBatchNorm", ok, f"max output error {out_err.item():.1e}, grad error {grad_err:.1e}")
+    return Row(
+        "SyncBatchNorm", ok, f"max output error {out_err.item():.1e}, grad error {grad_err:.1e}"
+    )
 
 
 def _bandwidth(rt: Runtime, size_mb: int) -> Row:
@@ -120,5 +133,8 @@ def _bandwidth(rt: Runtime, size_mb: int) -> Row:
     n = rt.world_size
     algorithm = nbytes / seconds / 1e9
     bus = algorithm * 2 * (n - 1) / n  # what each link carries in a ring all-reduce
-    return Row(f"all_reduce {size_mb} MB", True,
-               f"{seconds * 1e3:.2f} ms, algorithm {algorithm:.2f} GB/s, bus {bus:.2f} GB/s")
+    return Row(
+        f"all_reduce {size_mb} MB",
+        True,
+        f"{seconds * 1e3:.2f} ms, algorithm {algorithm:.2f} GB/s, bus {bus:.2f} GB/s",
+    )

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from paratrain.dist.env import DistEnv
+from paratrain.distributed.env import DistEnv
 from paratrain.errors import UserError
 
 

@@ -14,15 +14,20 @@ import socket
 import sys
 from collections.abc import Sequence
 
-from paratrain.dist.runtime import threads_per_process
+from paratrain.distributed.runtime import threads_per_process
 from paratrain.errors import UserError
-
 
 # Exit code of a worker whose collective failed because another rank went away: the
 # launcher then reports the rank that failed first for a reason of its own.
 PEER_LOST = 10
-_PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-               "Timed out", "timed out", "Socket closed")
+_PEER_SIGNS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Timed out",
+    "timed out",
+    "Socket closed",
+)
 
 
 def is_peer_loss(exc: BaseException) -> bool:
@@ -36,6 +41,7 @@ def is_peer_loss(exc: BaseException) -> bool:
 
 def root_cause(failures: dict) -> tuple[int, object]:
     """The failure that caused the others: not a lost peer, not killed by the agent."""
+
     def secondary(failure) -> bool:
         return failure.exitcode in (PEER_LOST, -15)
 
@@ -49,7 +55,9 @@ def check_port_free(port: int, host: str = "127.0.0.1") -> None:
         try:
             sock.bind((host, port))
         except OSError as exc:
-            raise UserError(f"--master-port {port} is not available on {host}: {exc.strerror}") from None
+            raise UserError(
+                f"--master-port {port} is not available on {host}: {exc.strerror}"
+            ) from None
 
 
 def launch(
@@ -62,8 +70,11 @@ def launch(
 
     if master_port is not None:
         check_port_free(master_port)
-        rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{master_port}",
-                      f"--rdzv-id=paratrain-{os.getpid()}"]
+        rendezvous = [
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{master_port}",
+            f"--rdzv-id=paratrain-{os.getpid()}",
+        ]
     else:
         rendezvous = ["--standalone"]  # c10d on a free port chosen by the OS
 
@@ -98,7 +109,9 @@ def launch(
             )
             return 1
         if restarts or failure.exitcode not in (2, 3) and failure.exitcode < 128:
-            print(f"paratrain: error: rank {rank} failed with exit code {failure.exitcode}"
-                  f"{restarts}", file=sys.stderr)
+            print(
+                f"paratrain: error: rank {rank} failed with exit code {failure.exitcode}{restarts}",
+                file=sys.stderr,
+            )
         return failure.exitcode or 1
     return 0

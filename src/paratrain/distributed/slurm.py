@@ -71,7 +71,11 @@ def sbatch_script(job: SlurmJob, train_args: Sequence[str]) -> str:
         "#SBATCH --output=%x-%j.out",
     ]
     args = list(train_args)
-    for flag, extra in (("--requeue", []), ("--resume", ["auto"]), ("--name", ["${SLURM_JOB_NAME}-${SLURM_JOB_ID}"])):
+    for flag, extra in (
+        ("--requeue", []),
+        ("--resume", ["auto"]),
+        ("--name", ["${SLURM_JOB_NAME}-${SLURM_JOB_ID}"]),
+    ):
         if flag not in args and not any(a.startswith(flag + "=") for a in args):
             args += [flag, *extra]
     train = " ".join(_quote(a) for a in args)
@@ -87,7 +91,7 @@ def sbatch_script(job: SlurmJob, train_args: Sequence[str]) -> str:
             "",
             "# USR1 (time limit near, or preemption) goes on to every task as SIGTERM: paratrain",
             "# saves at the next step boundary and, with --requeue, requeues the job.",
-            "forward() { kill -TERM \"$srun_pid\" 2>/dev/null; }",
+            'forward() { kill -TERM "$srun_pid" 2>/dev/null; }',
             "trap forward USR1",
             "",
             "srun --kill-on-bad-exit=1 \\",

@@ -1,0 +1,115 @@
+"""A run directory's own files (config.yaml, class_indices.json, summary.json), what the
+run says when it starts and ends, and its progress bar. Rank 0 writes and speaks."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from paratrain.config import TrainConfig
+from paratrain.data.folder import DataSplit
+from paratrain.distributed import comm
+from paratrain.distributed.runtime import Runtime
+from paratrain.log import get_logger
+from paratrain.report.metrics import MetricsWriter
+
+
+def write_run_files(cfg: TrainConfig, split: DataSplit, run_dir: Path) -> None:
+    """config.yaml (the resolved config, reusable with --config) and class_indices.json."""
+    resolved = TrainConfig(**{**cfg.to_dict(), "name": run_dir.name})
+    resolved.save(run_dir / "config.yaml")
+    (run_dir / "class_indices.json").write_text(json.dumps(split.class_index(), indent=2) + "\n")
+
+
+def announce(
+    cfg: TrainConfig,
+    split: DataSplit,
+    run_dir: Path,
+    runtime: Runtime,
+    *,
+    workers: int,
+    cached: bool,
+    replicas: int,
+    global_batch: int,
+    lr: float,
+    precision: str,
+) -> None:
+    """What is about to run: data, model, processes, batch, rate, recipe, precision."""
+    log = get_logger()
+    log.info(
+        f"run {run_dir}: {cfg.model} at {cfg.image_size}px, {len(split.classes)} classes, "
+        f"{len(split.train)} train / {len(split.val)} val images, {runtime.world_size} "
+        f"process(es) on {runtime.device.type} ({runtime.backend or 'no process group'}), "
+        f"{workers} loader worker(s), "
+        f"{'decoded-image cache' if cached else 'decoding every epoch'}"
+    )
+    accum = f" x {cfg.grad_accum} micro-batches" if cfg.grad_accum > 1 else ""
+    log.info(
+        f"global batch {global_batch} ({cfg.batch_size} x {replicas}{accum}), "
+        f"{cfg.opt} lr {lr:g} (base {cfg.lr:g}, scaling {cfg.lr_scaling}), {cfg.epochs} epochs"
+        + _recipe_words(cfg)
+    )
+    log.info(
+        f"precision {precision}"
+        + (" (auto)" if cfg.precision == "auto" else "")
+        + (", torch.compile (the first steps compile)" if cfg.compile else "")
+    )
+
+
+def _recipe_words(cfg: TrainConfig) -> str:
+    words = [
+        f"label smoothing {cfg.label_smoothing:g}" if cfg.label_smoothing else "",
+        f"mixup {cfg.mixup:g}" if cfg.mixup else "",
+        f"cutmix {cfg.cutmix:g}" if cfg.cutmix else "",
+        f"EMA decay {cfg.ema_decay:g}" if cfg.ema_decay else "",
+    ]
+    words = [w for w in words if w]
+    return ", " + ", ".join(words) if words else ""
+
+
+def progress_bar(runtime: Runtime, total: int, epoch: int, epochs: int) -> tqdm | None:
+    """Rank 0's bar over the epoch's images, on a terminal only."""
+    if not runtime.is_main or not sys.stdout.isatty() or os.environ.get("PARATRAIN_NO_BAR"):
+        return None
+    return tqdm(total=total, desc=f"epoch {epoch + 1}/{epochs}", unit="img", leave=False)
+
+
+def summarise(
+    cfg: TrainConfig,
+    run_dir: Path,
+    metrics: MetricsWriter,
+    runtime: Runtime,
+    seconds: float,
+    skipped_steps: int,
+) -> dict:
+    """summary.json and the closing line; every rank returns rank 0's summary."""
+    rows = metrics.read() if runtime.is_main else []
+    summary = comm.broadcast_object(
+        {
+            "run_dir": str(run_dir),
+            "model": cfg.model,
+            "world_size": runtime.world_size,
+            "epochs": len(rows),
+            "best_val_top1": max((r["val_top1"] for r in rows), default=None),
+            "final": rows[-1] if rows else None,
+            "skipped_steps": skipped_steps,
+            "seconds": seconds,
+        }
+        if runtime.is_main
+        else None
+    )
+    if runtime.is_main:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        best = summary["best_val_top1"]
+        skipped = f", {skipped_steps} non-finite step(s) skipped" if skipped_steps else ""
+        get_logger().info(
+            f"done in {seconds:.1f}s: best val top1 {best:.2%}{skipped}, checkpoints in "
+            f"{run_dir / 'checkpoints'}"
+            if best is not None
+            else f"done in {seconds:.1f}s (nothing left to train)"
+        )
+    return summary
