@@ -1,37 +1,128 @@
-"""The public entry points: what the CLI calls, callable from Python too."""
+"""The entry points: one function per subcommand, callable from Python as from the CLI.
+
+Each takes its options (config/), checks them before any work, and either does the work
+in this process or, for ``--nproc N`` outside a launcher, starts N workers running the
+same command through one helper (:func:`launch_or_run`). What a command prints goes
+through ``say`` (print by default), on rank 0 only.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import time
-from collections.abc import Sequence
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any, TypeVar
 
-from paratrain.config import TrainConfig
-from paratrain.data.builtin import ensure_digits
-from paratrain.data.folder import build_split
-from paratrain.distributed.env import detect
-from paratrain.errors import UserError
+from paratrain.config import (
+    BENCH_SETTINGS,
+    BenchOptions,
+    CheckOptions,
+    EvalOptions,
+    ExportOptions,
+    ModelsOptions,
+    PlanOptions,
+    PredictOptions,
+    RunsOptions,
+    ScaleOptions,
+    SlurmOptions,
+    TrainConfig,
+    preset_notes,
+    to_argv,
+)
+from paratrain.distributed.env import DistEnv, detect
+from paratrain.errors import AgreedUserError, UserError
 
-# The embedded default: 8x8 digit scans need neither 224 pixels nor strong crops, and a
-# mirrored digit is another digit. Measured on 2 CPU cores, --nproc 2: about 2 minutes,
-# 95-97% validation top-1.
-DIGITS_PRESET = {
-    "model": "resnet18",
-    "image_size": 16,
-    "epochs": 8,
-    "batch_size": 32,
-    "lr": 0.02,
-    "crop_scale_min": 0.7,
-    "hflip": 0.0,
-    "warmup_epochs": 1,
-}
+T = TypeVar("T")
+Say = Callable[[str], Any]
+
+# set by the launcher for its workers: what it checked need not be checked N times again
+CHECKED = "PARATRAIN_CHECKED"
 
 
-# What AdamW is usually run with (timm, torchvision's ViT recipes use similar values).
-ADAMW_DEFAULTS = {"lr": 0.001, "weight_decay": 0.05}
+def launch_or_run(
+    nproc: int,
+    argv: list[str],
+    work: Callable[[DistEnv], T],
+    *,
+    max_restarts: int = 0,
+    master_port: int | None = None,
+) -> T | None:
+    """``work(env)`` here when this process is the job's only one, or already one of a
+    launched job's (torchrun, srun); else start ``nproc`` workers running ``paratrain
+    <argv>`` through torch's elastic launcher, wait, and return None (a failed worker's
+    exit code becomes this process's)."""
+    env = detect(os.environ)
+    if nproc <= 1 or env.source != "single":
+        return work(env)
+    from paratrain.distributed.launch import launch
+
+    os.environ[CHECKED] = "1"
+    try:
+        code = launch(nproc, argv, max_restarts=max_restarts, master_port=master_port)
+    finally:
+        os.environ.pop(CHECKED, None)
+    if code:
+        raise SystemExit(code)
+    return None
+
+
+def _told_once(env: DistEnv, check: Callable[[], T]) -> T:
+    """A check every rank makes alike: its error is told once, by rank 0."""
+    try:
+        return check()
+    except UserError as exc:
+        if env.world_size > 1 and not exc.agreed:
+            raise AgreedUserError(str(exc)) from None
+        raise
+
+
+# ---------------------------------------------------------------- train
+
+
+def train(cfg: TrainConfig, *, dry_run: bool = False, say: Say = print) -> dict | None:
+    """Train as configured: launch ``cfg.nproc`` workers, or be one.
+
+    Returns the run summary in the process that trained (rank 0's view); None in a
+    launcher, whose workers report through the run directory, and for a dry run."""
+    cfg.validate()
+    env = detect(os.environ)
+    if cfg.data is None:  # the embedded digits set
+        from paratrain.data.builtin import ensure_digits
+
+        if env.is_main and not os.environ.get(CHECKED):
+            say("; ".join(preset_notes(cfg)))
+        cfg = replace(cfg, data=str(ensure_digits(cfg.cache_dir)))
+    if not os.environ.get(CHECKED):
+        _told_once(env, lambda: preflight(cfg))
+    if dry_run:
+        say(describe_train(cfg, env))
+        return None
+    if cfg.nproc > 1 and env.source == "single" and not cfg.name and not cfg.resume:
+        # restarted workers must find this run again, so its name is fixed up front
+        cfg = replace(cfg, name=time.strftime("%Y%m%d-%H%M%S"))
+    return launch_or_run(cfg.nproc, ["train", *to_argv(cfg)], lambda env: _train_worker(cfg, env),
+                         max_restarts=cfg.max_restarts, master_port=cfg.master_port)  # fmt: skip
+
+
+def preflight(cfg: TrainConfig) -> None:
+    """What every rank would otherwise find wrong at once, checked once before any
+    process starts: files and folders, the data's layout, the weights file, options
+    this machine cannot run. The model against the image size is checked by every rank
+    right after (it needs torchvision, a second of start-up the launcher need not pay)."""
+    from paratrain.data.folder import build_split
+
+    cfg.check_paths()
+    build_split(cfg.data, cfg.val_fraction, cfg.split_seed)
+    if cfg.weights:
+        from paratrain.models.registry import read_state_dict
+
+        read_state_dict(cfg.weights)
+    if cfg.tensorboard:
+        require_tensorboard()
+    check_devices(cfg)
 
 
 def require_tensorboard() -> None:
@@ -43,139 +134,119 @@ def require_tensorboard() -> None:
         ) from None
 
 
-def resolve(values: dict) -> tuple[TrainConfig, bool]:
-    """Build the config from user values; with no --data, fill in the digits preset.
-
-    Returns the config and whether the embedded default data set is used. Values the user
-    gave always win over the preset.
-    """
-    builtin = not values.get("data")
-    given = values
-    if builtin:
-        values = {**DIGITS_PRESET, **values}
-    if given.get("opt") == "adamw":  # SGD's learning rate would be far too large for AdamW
-        values = {**values, **ADAMW_DEFAULTS, **given}
-    cfg = TrainConfig.from_dict(values, source="arguments").validate()
-    if cfg.tensorboard:
-        require_tensorboard()
-    if builtin:
-        cfg.data = str(ensure_digits(cfg.cache_dir))
-    return cfg, builtin
-
-
-def preflight(cfg: TrainConfig) -> None:
-    """Check, in one process, what every rank would otherwise find wrong at once.
-
-    The model name is not checked here: that needs torchvision, seconds of start-up
-    before any worker starts. Every rank builds the same model, so a bad name fails on
-    every rank alike, and rank 0 alone reports it."""
-    build_split(cfg.data, cfg.val_fraction, cfg.split_seed)
-    if cfg.weights:
-        from paratrain.models.registry import read_state_dict  # torchvision: 0.8 s to import
-
-        read_state_dict(cfg.weights)
-    if cfg.resume and cfg.resume != "auto" and not Path(cfg.resume).is_file():
-        raise UserError(f"--resume: checkpoint not found: {cfg.resume}")
-
-
-def train(config: TrainConfig, argv: Sequence[str] | None = None) -> dict | None:
-    """Train as configured: launch ``config.nproc`` workers, or be one.
-
-    Returns the run summary in the process that trained (rank 0's view), None in a
-    launcher process, whose workers report through the run directory.
-    """
-    config.validate()
-    if config.tensorboard:
-        require_tensorboard()
-    env = detect(os.environ)
-    _check_device_options(config)
-    if config.strategy == "dp":
-        from paratrain.parallel.dp import check_available
-
-        check_available(env.world_size)
-    if config.nproc > 1 and env.source == "single":
-        from paratrain.distributed.launch import launch
-
-        preflight(config)
-        if not config.name and not config.resume:
-            # restarted workers must find this run again, so its name is fixed up front
-            config.name = time.strftime("%Y%m%d-%H%M%S")
-            argv = [*argv, "--name", config.name] if argv is not None else None
-        config_file = None if argv is not None else _argv_for(config)
-        try:
-            code = launch(
-                config.nproc,
-                argv if argv is not None else config_file,
-                max_restarts=config.max_restarts,
-                master_port=config.master_port,
-            )
-        finally:
-            if config_file is not None:
-                Path(config_file[-1]).unlink(missing_ok=True)
-        if code:
-            raise SystemExit(code)
-        return None
-    return _train_worker(config, env)
-
-
-def _check_device_options(config: TrainConfig) -> None:
-    """Options that need CUDA, refused once here rather than by every rank."""
+def check_devices(cfg: TrainConfig) -> None:
+    """Options this machine's devices cannot run, refused once here, not by every rank."""
     import torch
 
-    on_cpu = config.device == "cpu" or not torch.cuda.is_available()
+    on_cpu = (cfg.device or "").startswith("cpu") or not torch.cuda.is_available()
+    if cfg.strategy == "dp":
+        from paratrain.parallel.dp import check_available
+
+        check_available(detect(os.environ).world_size)
+    if cfg.strategy == "split":
+        from paratrain.parallel.split import parse_devices
+
+        parse_devices(cfg)
     if not on_cpu:
+        gpus = torch.cuda.device_count()
+        if cfg.nproc > gpus and cfg.device in (None, "cuda"):
+            raise UserError(
+                f"--nproc {cfg.nproc} needs {cfg.nproc} GPUs and this machine has {gpus}: "
+                f"NCCL cannot run two ranks on one GPU; use --nproc {gpus}, or --device cpu "
+                "(gloo on the CPU)"
+            )
         return
-    if config.precision == "16-mixed":
+    if cfg.precision == "16-mixed":
         from paratrain.engine.precision import resolve
 
-        resolve(config.precision, torch.device("cpu"))  # raises the one-line error
-    if config.grad_compression == "powersgd":
+        resolve(cfg.precision, torch.device("cpu"))  # raises the one-line error
+    if cfg.grad_compression == "powersgd":
         from paratrain.parallel.ddp import POWERSGD_NEEDS_NCCL
 
         raise UserError(POWERSGD_NEEDS_NCCL)
+    if cfg.backend == "nccl":
+        raise UserError("--backend nccl needs CUDA devices; use gloo on CPU")
 
 
-def _train_worker(config: TrainConfig, env) -> dict:
+def describe_train(cfg: TrainConfig, env: DistEnv) -> str:
+    """What `train --dry-run` prints: the resolved config, then what would run."""
+    import torch
+    import yaml
+
+    from paratrain.data.cache import survey
+    from paratrain.data.folder import build_split
+    from paratrain.engine.precision import resolve
+    from paratrain.engine.schedule import describe_schedule, peak_lr
+    from paratrain.models.registry import check_input_size
+
+    check_input_size(cfg.model, cfg.image_size)
+    split = build_split(cfg.data, cfg.val_fraction, cfg.split_seed)
+    launched = cfg.nproc > 1 and env.source == "single"
+    world = cfg.nproc if launched else env.world_size
+    cuda = torch.cuda.is_available() and not (cfg.device or "").startswith("cpu")
+    device = "cuda" if cuda else "cpu"
+    backend = cfg.backend or ("nccl" if cuda else "gloo")
+    replicas = world // cfg.stages if cfg.strategy == "pipeline" else world
+    global_batch = cfg.batch_size * replicas * cfg.grad_accum
+    peak = peak_lr(cfg, replicas)
+    precision = resolve(cfg.precision, torch.device(device))
+    plan = survey(split.train + split.val, cfg.image_size, cfg.cache, cfg.cache_max_gb,
+                  cfg.cache_dir)  # fmt: skip
+    cache = {
+        "ready": f"ready ({plan.nbytes / 2**30:.2f} GB at {plan.directory})",
+        "build": f"would be built: {plan.nbytes / 2**30:.2f} GB at {plan.directory}",
+        "skip": f"off ({plan.reason})",
+    }[plan.action]
+    how = (
+        f"{world} processes started here by torch's elastic launcher (c10d rendezvous)"
+        if launched
+        else f"{world} process(es) ({env.source})"
+    )
+    lines = [
+        "paratrain train --dry-run: checked; nothing was run.",
+        "resolved config:",
+        *("  " + line for line in yaml.safe_dump(cfg.to_dict(), sort_keys=False).splitlines()),
+        "would run:",
+        f"  processes: {how}",
+        f"  device: {device}, backend {backend if world > 1 else 'none (one process)'}, "
+        f"strategy {cfg.strategy}",
+        f"  data: {cfg.data}: {len(split.classes)} classes, {len(split.train)} train / "
+        f"{len(split.val)} val images ({split.layout})",
+        f"  model: {cfg.model} at {cfg.image_size}px (runs at that size)",
+        f"  global batch: {global_batch} ({cfg.batch_size} x {replicas} replica(s)"
+        + (f" x {cfg.grad_accum} micro-batches)" if cfg.grad_accum > 1 else ")"),
+        f"  {cfg.opt}: {describe_schedule(peak, cfg)}",
+        f"  precision: {precision}" + (" (auto)" if cfg.precision == "auto" else ""),
+        f"  decoded-image cache: {cache}",
+    ]
+    return "\n".join(lines)
+
+
+def _train_worker(cfg: TrainConfig, env: DistEnv) -> dict:
     from paratrain.distributed.runtime import distributed
     from paratrain.engine.trainer import fit
     from paratrain.log import setup_logging
 
     setup_logging(env.rank, env.world_size)
-    with distributed(env, config.device, config.backend, config.timeout) as runtime:
-        return fit(config, runtime)
+    with distributed(env, cfg.device, cfg.backend, cfg.timeout) as runtime:
+        return fit(cfg, runtime)
 
 
-def _argv_for(config: TrainConfig) -> list[str]:
-    """Worker arguments for a config built in Python: it travels as a YAML file."""
-    import tempfile
-
-    handle = tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="paratrain-", delete=False)
-    with handle:
-        config.save(Path(handle.name))
-    return ["train", "--config", handle.name]
+# ---------------------------------------------------------------- eval, predict, export
 
 
-def evaluate_checkpoint(
-    checkpoint_path: str,
-    data: str | None,
-    batch_size: int = 64,
-    workers: int | None = None,
-    nproc: int = 1,
-    argv: Sequence[str] | None = None,
-    ema: bool = False,
-) -> dict | None:
-    """Evaluate a checkpoint on a data folder's validation part, at any world size."""
+def evaluate(opts: EvalOptions, say: Say = print) -> dict | None:
+    """A checkpoint on a data folder's validation part, at any world size; the report on
+    rank 0 (also printed), None elsewhere and in a launcher."""
+    from paratrain.data.folder import build_split
     from paratrain.engine import checkpoint
     from paratrain.engine.predict import weights_of
 
-    if batch_size < 1:
-        raise UserError(f"--batch-size must be at least 1, got {batch_size}")
-    if nproc < 1:
-        raise UserError(f"--nproc must be at least 1, got {nproc}")
+    opts.validate()
     env = detect(os.environ)
-    state = checkpoint.load(checkpoint_path)
-    saved = TrainConfig.from_dict(state["config"], source=checkpoint_path)
-    data_dir = data or saved.data
+    state = checkpoint.load(opts.checkpoint)
+    saved = TrainConfig.from_dict(state["config"], source=opts.checkpoint)
+    data_dir = opts.data or saved.data
     if not data_dir:
         raise UserError("--data is needed: the checkpoint does not name its data")
     split = build_split(data_dir, saved.val_fraction, saved.split_seed)
@@ -184,16 +255,22 @@ def evaluate_checkpoint(
             f"classes of {data_dir} ({len(split.classes)}) differ from the checkpoint's "
             f"({len(state['classes'])}): {split.classes[:5]} vs {state['classes'][:5]}"
         )
-    weights = weights_of(state, checkpoint_path, ema)
-    if nproc > 1 and env.source == "single":
-        from paratrain.distributed.launch import launch
-
-        code = launch(nproc, list(argv or []))
-        if code:
-            raise SystemExit(code)
+    weights = weights_of(state, opts.checkpoint, opts.ema)
+    if opts.dry_run:
+        say(f"would evaluate {opts.checkpoint} ({saved.model} at {saved.image_size}px, "
+            f"{len(split.classes)} classes) on {len(split.val)} validation images of "
+            f"{data_dir} with {opts.nproc} process(es)")  # fmt: skip
         return None
-    report_dir = _eval_dir(checkpoint_path, "-ema" if ema else "")
-    return _evaluate_worker(weights, saved, split, batch_size, workers, env, report_dir)
+    report_dir = _eval_dir(opts.checkpoint, "-ema" if opts.ema else "")
+    report = launch_or_run(
+        opts.nproc, ["eval", *to_argv(opts)],
+        lambda env: _evaluate_worker(weights, saved, split, opts, env, report_dir),
+    )  # fmt: skip
+    if report is not None and env.is_main:
+        from paratrain.report.evaluation import format_report
+
+        say(json.dumps(report) if opts.json else format_report(report))
+    return report
 
 
 def _eval_dir(state_path: str, suffix: str = "") -> Path:
@@ -204,35 +281,36 @@ def _eval_dir(state_path: str, suffix: str = "") -> Path:
     return run / f"eval{suffix}" if run else path.parent / f"eval-{path.stem}{suffix}"
 
 
-def _evaluate_worker(
-    weights, saved: TrainConfig, split, batch_size, workers, env, report_dir: Path
-) -> dict:
+def _evaluate_worker(weights, saved: TrainConfig, split, opts: EvalOptions, env: DistEnv,
+                     report_dir: Path) -> dict:  # fmt: skip
     from torch.utils.data import DataLoader
 
     from paratrain.data.loaders import default_workers
     from paratrain.data.samplers import ShardedEvalSampler
     from paratrain.data.transforms import eval_samples
     from paratrain.distributed.runtime import distributed
-    from paratrain.engine.evaluate import evaluate
+    from paratrain.engine.evaluate import evaluate as evaluate_model
     from paratrain.log import setup_logging
     from paratrain.models.registry import create_model
 
     setup_logging(env.rank, env.world_size)
-    with distributed(env, saved.device, saved.backend, saved.timeout) as rt:
+    with distributed(env, opts.device or saved.device, saved.backend, saved.timeout) as runtime:
         model = create_model(saved.model, len(split.classes), saved.image_size)
         model.load_state_dict(weights)
-        model.to(rt.device)
+        model.to(runtime.device)
         dataset = eval_samples(split.val, saved.image_size)
-        n_workers = workers if workers is not None else default_workers(env.local_world_size)
+        workers = (
+            opts.workers if opts.workers is not None else default_workers(env.local_world_size)
+        )
         loader = DataLoader(
             dataset,
-            batch_size=batch_size,
-            sampler=ShardedEvalSampler(len(dataset), rt.rank, rt.world_size),
-            num_workers=n_workers,
+            batch_size=opts.batch_size,
+            sampler=ShardedEvalSampler(len(dataset), runtime.rank, runtime.world_size),
+            num_workers=workers,
         )
-        result = evaluate(model, loader, rt.device, len(split.classes), detailed=True)
-        report = {**result.as_dict(), "world_size": rt.world_size}
-        if rt.is_main:
+        result = evaluate_model(model, loader, runtime.device, len(split.classes), detailed=True)
+        report = {**result.as_dict(), "world_size": runtime.world_size}
+        if runtime.is_main:
             from paratrain.report.evaluation import write_evaluation
 
             out = write_evaluation(result.confusion, result.predictions, split, report_dir)
@@ -243,134 +321,232 @@ def _evaluate_worker(
         return report
 
 
-def bench(
-    config: TrainConfig,
-    steps: int = 20,
-    warmup: int = 5,
-    argv: Sequence[str] | None = None,
-    sweep_bytes: int = 0,
-    result_file: str | None = None,
-):
-    """`paratrain bench`: step speed on synthetic data; the result on rank 0, else None.
+def predict(opts: PredictOptions, say: Say = print) -> list[dict]:
+    """Top-k classes of every image given (files, or folders searched for images)."""
+    from paratrain.engine.predict import check_inputs, write_csv
+    from paratrain.engine.predict import predict as predict_images
 
-    ``sweep_bytes`` adds all-reduce timings up to that message size, and ``result_file``
-    receives both as JSON (how `paratrain scale` collects its launched runs)."""
-    if steps < 1 or warmup < 0:
-        raise UserError(f"--steps must be at least 1 and --warmup 0 or more, got {steps}, {warmup}")
-    config.validate()
+    opts.validate()
+    if opts.dry_run:
+        paths = check_inputs(opts.checkpoint, opts.inputs, opts.ema)
+        say(f"would predict {len(paths)} image(s) with {opts.checkpoint} on {opts.device}")
+        return []
+    rows = predict_images(opts.checkpoint, opts.inputs, opts.top_k, opts.batch_size,
+                          opts.device, opts.ema)  # fmt: skip
+    for row in rows:
+        say(f"{row['path']}: " + ", ".join(f"{name} {p:.3f}" for name, p in row["top"]))
+    if opts.csv:
+        write_csv(rows, opts.csv)
+    return rows
+
+
+def export(opts: ExportOptions, say: Say = print) -> dict[str, str]:
+    """A checkpoint as a torch.export program or as safetensors, with its class names."""
+    from paratrain.engine.export import default_output
+    from paratrain.engine.export import export as export_model
+    from paratrain.engine.predict import load_for_inference
+
+    opts.validate()
+    if opts.dry_run:
+        load_for_inference(opts.checkpoint, _cpu(), opts.ema)
+        target = opts.out or default_output(opts.checkpoint, opts.format, opts.ema)
+        say(f"would write {target} from {opts.checkpoint}")
+        return {}
+    written = export_model(opts.checkpoint, opts.format, opts.out, opts.ema)
+    say(f"wrote {written['export']} (classes in {written['class_indices']})")
+    return written
+
+
+def _cpu():
+    import torch
+
+    return torch.device("cpu")
+
+
+# ---------------------------------------------------------------- runs, models
+
+
+def runs(opts: RunsOptions, say: Say = print) -> list[dict]:
+    """One row per run directory under ``opts.dir``."""
+    from paratrain.report.runs import collect, format_table
+
+    opts.validate()
+    rows = collect(opts.dir)
+    if opts.json:
+        say(json.dumps(rows))
+    else:
+        say(format_table(rows) if rows else f"no runs in {opts.dir}")
+    return rows
+
+
+def models(opts: ModelsOptions | None = None, say: Say = print) -> list[str]:
+    """Every model name --model accepts."""
+    from paratrain.models.registry import list_models
+
+    names = list_models()
+    say("\n".join(names))
+    return names
+
+
+# ---------------------------------------------------------------- bench, scale, plan
+
+
+def bench(cfg: TrainConfig, opts: BenchOptions, say: Say = print):
+    """Step speed on synthetic data: the result on rank 0, else None. ``sweep_bytes``
+    adds all-reduce timings up to that size, and ``result_file`` receives both as JSON
+    (how `paratrain scale` collects the runs it launches)."""
+    cfg.validate()
+    opts.validate()
     env = detect(os.environ)
-    _check_device_options(config)
-    if config.nproc > 1 and env.source == "single":
-        from paratrain.distributed.launch import launch
+    _told_once(env, lambda: check_devices(cfg))
+    if opts.dry_run:
+        from paratrain.models.registry import check_input_size
 
-        code = launch(config.nproc, list(argv or []))
-        if code:
-            raise SystemExit(code)
+        check_input_size(cfg.model, cfg.image_size)
+        say(f"would time {opts.steps} steps (after {opts.warmup}) of {cfg.model} at "
+            f"{cfg.image_size}px, batch {cfg.batch_size} x {cfg.nproc} process(es)")  # fmt: skip
         return None
+    argv = ["bench", *to_argv(cfg, BENCH_SETTINGS), *to_argv(opts)]
+    result = launch_or_run(cfg.nproc, argv, lambda env: _bench_worker(cfg, opts, env))
+    if result is not None and not opts.result_file:
+        from paratrain.bench.step import format_result
+
+        say(json.dumps(asdict(result)) if opts.json else format_result(result))
+    return result
+
+
+def _bench_worker(cfg: TrainConfig, opts: BenchOptions, env: DistEnv):
     from paratrain.bench.collectives import sweep_all_reduce
     from paratrain.bench.step import run_bench
     from paratrain.distributed.runtime import distributed
 
-    with distributed(env, config.device, config.backend, config.timeout) as rt:
-        result = run_bench(config, rt, steps, warmup)
-        sweep = sweep_all_reduce(sweep_bytes) if sweep_bytes and rt.world_size > 1 else None
-    if result_file and result is not None:
-        Path(result_file).write_text(json.dumps({"bench": asdict(result), "all_reduce": sweep}))
+    with distributed(env, cfg.device, cfg.backend, cfg.timeout) as runtime:
+        result = run_bench(cfg, runtime, opts.steps, opts.warmup)
+        sweep = None
+        if opts.sweep_bytes and runtime.world_size > 1:
+            sweep = sweep_all_reduce(opts.sweep_bytes)
+    if opts.result_file and result is not None:
+        Path(opts.result_file).write_text(
+            json.dumps({"bench": asdict(result), "all_reduce": sweep})
+        )
     return result
 
 
-def scale(
-    config: TrainConfig, options, out: str | Path, calibrate: str | Path | None = None, say=print
-) -> dict:
-    """`paratrain scale`: measured and predicted scaling; writes the report under ``out``
-    and returns it. With ``calibrate`` (a CSV of n,seconds) nothing is measured here."""
+def scale(cfg: TrainConfig, opts: ScaleOptions, say: Say = print) -> dict | None:
+    """Measured and predicted scaling; writes the report under ``opts.out`` and returns
+    it. With ``opts.calibrate`` (a CSV of n,seconds) nothing is measured here."""
     from paratrain.bench import costmodel
     from paratrain.bench import scale as scaling
     from paratrain.report.scaling import format_calibration, format_measured, write_report
 
-    if calibrate is not None:
-        points = scaling.read_epoch_times(Path(calibrate))
-        report = scaling.calibration_report(costmodel.calibrate(points), options.max_n)
-        text = format_calibration(report, str(calibrate))
+    cfg.validate()
+    opts.validate()
+    if opts.calibrate is not None:
+        points = scaling.read_epoch_times(Path(opts.calibrate))
+        if opts.dry_run:
+            say(f"would fit {len(points)} epoch times from {opts.calibrate}")
+            return None
+        report = scaling.calibration_report(costmodel.calibrate(points), opts.max_n)
+        text = format_calibration(report, str(opts.calibrate))
     else:
-        config.validate()
-        _check_device_options(config)
         if detect(os.environ).source != "single":
             raise UserError(
                 "`paratrain scale` starts its own processes; run it outside torchrun and srun"
             )
-        profile, rows, samples = scaling.measure(config, options, say=say)
-        report = scaling.report(config, options, profile, rows, samples)
+        check_devices(cfg)
+        settings = scaling.settings_from(opts)
+        if opts.dry_run:
+            from paratrain.models.registry import check_input_size
+
+            check_input_size(cfg.model, cfg.image_size)
+            say(f"would measure {cfg.model} at {cfg.image_size}px on 1..{settings.nproc_max} "
+                f"processes and write {opts.out}")  # fmt: skip
+            return None
+        profile, rows, samples = scaling.measure(cfg, settings, say=say)
+        report = scaling.report(cfg, settings, profile, rows, samples)
         text = format_measured(report)
-    paths = write_report(report, Path(out))
+    paths = write_report(report, Path(opts.out))
     say(text)
     say("wrote " + ", ".join(str(p) for p in paths))
     return report
 
 
-def plan(
-    model: str,
-    image_size: int,
-    batch_size: int,
-    device_memory: str,
-    devices: int = 2,
-    opt: str = "sgd",
-    microbatches: int = 4,
-    schedule: str = "1f1b",
-    classes: int = 1000,
-    momentum: float = 0.9,
-    say=print,
-) -> dict:
-    """`paratrain plan`: per-device memory of each strategy; which fit; the recommendation."""
+def plan(cfg: TrainConfig, opts: PlanOptions, say: Say = print) -> dict | None:
+    """Per-device memory of each strategy; which fit; the recommendation."""
     import torch
 
     from paratrain.bench import memory
-    from paratrain.models.registry import create_model
+    from paratrain.models.registry import check_input_size, create_model
     from paratrain.parallel.partition import optimizer_slots
 
-    limit = memory.parse_size(device_memory)
+    cfg.validate()
+    opts.validate()
+    limit = memory.parse_size(opts.device_memory)
+    check_input_size(cfg.model, cfg.image_size)
+    if opts.dry_run:
+        say(f"would profile {cfg.model} at {cfg.image_size}px and plan batch {cfg.batch_size} "
+            f"on {opts.devices} device(s) of {opts.device_memory}")  # fmt: skip
+        return None
     torch.manual_seed(0)
-    net = create_model(model, classes, image_size)
-    rows = memory.estimate(net, image_size, batch_size, devices,
-                           optimizer_slots(opt, momentum), microbatches, schedule,
-                           model_name=model)  # fmt: skip
-    choice, why = memory.recommend(rows, limit, devices)
-    heading = (f"{model} at {image_size}px, batch {batch_size} per device, {opt}, fp32, "
-               f"{devices} device(s) of {device_memory}:")  # fmt: skip
-    say(memory.format_plan(rows, limit, devices, choice, why, heading))
-    return {"model": model, "image_size": image_size, "batch_size": batch_size,
-            "devices": devices, "device_memory": limit, "rows": memory.as_dict(rows),
-            "recommended": choice, "why": why}  # fmt: skip
+    net = create_model(cfg.model, opts.classes, cfg.image_size)
+    rows = memory.estimate(net, cfg.image_size, cfg.batch_size, opts.devices,
+                           optimizer_slots(cfg.opt, cfg.momentum), cfg.microbatches,
+                           cfg.schedule, model_name=cfg.model)  # fmt: skip
+    choice, why = memory.recommend(rows, limit, opts.devices)
+    result = {"model": cfg.model, "image_size": cfg.image_size, "batch_size": cfg.batch_size,
+              "devices": opts.devices, "device_memory": limit, "rows": memory.as_dict(rows),
+              "recommended": choice, "why": why}  # fmt: skip
+    if opts.json:
+        say(json.dumps(result))
+    else:
+        heading = (f"{cfg.model} at {cfg.image_size}px, batch {cfg.batch_size} per device, "
+                   f"{cfg.opt}, fp32, {opts.devices} device(s) of {opts.device_memory}:")  # fmt: skip
+        say(memory.format_plan(rows, limit, opts.devices, choice, why, heading))
+    return result
 
 
-def check(
-    nproc: int = 2,
-    backend: str | None = None,
-    device: str | None = None,
-    timeout_s: float = 120.0,
-    argv: Sequence[str] | None = None,
-) -> int:
-    """`paratrain check`: run the self-test on ``nproc`` processes; 0 when all passed."""
-    if nproc < 1:
-        raise UserError(f"--nproc must be at least 1, got {nproc}")
-    env = detect(os.environ)
-    if env.source == "single":
-        from paratrain.distributed.launch import launch
+# ---------------------------------------------------------------- slurm, check
 
-        return launch(nproc, list(argv if argv is not None else ["check"]))
+
+def slurm(job: SlurmOptions, cfg: TrainConfig, train_args: list[str], say: Say = print) -> int:
+    """Print the sbatch script for ``paratrain train <train_args>``. The training flags
+    get the checks `train --dry-run` makes that do not need the cluster's files: every
+    value, every combination, the model at its image size."""
+    from paratrain.distributed.slurm import sbatch_script
+    from paratrain.models.registry import check_input_size
+
+    job.validate()
+    cfg.validate()
+    check_input_size(cfg.model, cfg.image_size)
+    say(sbatch_script(job, train_args).rstrip("\n"))
+    return 0
+
+
+def check(opts: CheckOptions, say: Say = print) -> int:
+    """The self-test on ``opts.nproc`` processes; 0 when every check passed."""
+    opts.validate()
+    if opts.dry_run:
+        say(f"would test collectives and bandwidth on {opts.nproc} process(es)")
+        return 0
+    code = launch_or_run(opts.nproc, ["check", *to_argv(opts)],
+                         lambda env: _check_worker(opts, env, say))  # fmt: skip
+    return 0 if code is None else code
+
+
+def _check_worker(opts: CheckOptions, env: DistEnv, say: Say) -> int:
     from paratrain.bench.check import format_table, run_checks
     from paratrain.distributed.runtime import distributed
 
-    with distributed(env, device, backend, timeout_s) as rt:
-        if not rt.backend:  # one process still exercises the collectives, on a 1-rank group
-            return _check_alone(rt, timeout_s)
-        rows = run_checks(rt)
+    with distributed(env, opts.device, opts.backend, opts.timeout) as runtime:
+        if not runtime.backend:  # one process still exercises the collectives
+            return _check_alone(runtime, opts.timeout, say)
+        rows = run_checks(runtime)
     if env.is_main:
-        print(format_table(rows))
+        say(format_table(rows))
     return 0 if all(r.ok for r in rows) else 1
 
 
-def _check_alone(rt, timeout_s: float) -> int:
+def _check_alone(runtime, timeout_s: float, say: Say) -> int:
     import datetime
 
     import torch.distributed as dist
@@ -378,14 +554,29 @@ def _check_alone(rt, timeout_s: float) -> int:
     from paratrain.bench.check import format_table, run_checks
     from paratrain.distributed.runtime import Runtime, choose_backend
 
-    backend = choose_backend(rt.device)
+    backend = choose_backend(runtime.device)
     store = dist.HashStore()
-    dist.init_process_group(
-        backend, store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=timeout_s)
-    )
+    dist.init_process_group(backend, store=store, rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
     try:
-        rows = run_checks(Runtime(env=rt.env, device=rt.device, backend=backend))
+        rows = run_checks(Runtime(env=runtime.env, device=runtime.device, backend=backend))
     finally:
         dist.destroy_process_group()
-    print(format_table(rows))
+    say(format_table(rows))
     return 0 if all(r.ok for r in rows) else 1
+
+
+COMMANDS: dict[str, Callable[..., Any]] = {
+    "eval": evaluate,
+    "predict": predict,
+    "export": export,
+    "runs": runs,
+    "models": models,
+    "bench": bench,
+    "scale": scale,
+    "plan": plan,
+    "check": check,
+}
+
+__all__ = ["COMMANDS", "bench", "check", "evaluate", "export",
+           "launch_or_run", "models", "plan", "predict", "runs", "scale", "slurm", "train"]  # fmt: skip

@@ -84,7 +84,7 @@ def test_two_process_epoch_writes_every_run_file(trained):
         "summary.json",
     ]
     assert "2 process(es) on cpu (gloo)" in first.stdout
-    assert "global batch 8 (4 x 2), sgd lr 0.02 (base 0.01, scaling linear)" in first.stdout
+    assert "global batch 8 (4 x 2), sgd peak lr 0.02 (0.01 x 2, linear scaling)" in first.stdout
     assert first.stdout.count("epoch 1/1") == 1  # rank 0 speaks, rank 1 stays quiet
     assert json.loads((root / "runs/r1/class_indices.json").read_text()) == {
         "0": "class_0",

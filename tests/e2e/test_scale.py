@@ -59,14 +59,15 @@ def test_scale_measures_two_processes_fits_the_link_and_predicts(tmp_path, capsy
 def test_launched_runs_get_every_setting_of_the_step():
     from pathlib import Path
 
-    from paratrain.bench.scale import STEP_FIELDS, ScaleOptions, _bench_argv
+    from paratrain.bench.scale import ScaleSettings, _bench_argv
     from paratrain.cli import build_parser
+    from paratrain.config import STEP_SETTINGS as STEP_FIELDS
     from paratrain.config import TrainConfig
 
     config = TrainConfig(model="resnet34", image_size=48, batch_size=8, precision="32",
                          memory_format="contiguous", bucket_cap_mb=5.0,
                          grad_compression="bf16", compile=True)  # fmt: skip
-    args = build_parser().parse_args(_bench_argv(config, ScaleOptions(), Path("r.json"), True))
+    args = build_parser().parse_args(_bench_argv(config, ScaleSettings(), Path("r.json"), True))
     assert args.command == "bench" and args.sweep_bytes == 256 * 2**20
     for name in STEP_FIELDS:
         assert getattr(args, name, None) == getattr(config, name), name

@@ -11,8 +11,8 @@ import torch
 
 from imagefolders import make_image_folder
 from paratrain import TrainConfig, train
-from paratrain.api import resolve
 from paratrain.cli import main
+from paratrain.config import resolve_train
 from paratrain.engine import checkpoint
 from paratrain.engine.recipe import build_mixer
 from paratrain.errors import UserError
@@ -54,11 +54,11 @@ def test_option_trains_to_finite_loss(small_data, tmp_path, options):
 
 
 def test_adamw_gets_its_own_defaults_unless_given(small_data):
-    cfg, _ = resolve({"data": str(small_data), "opt": "adamw"})
+    cfg = resolve_train({"data": str(small_data), "opt": "adamw"})
     assert (cfg.lr, cfg.weight_decay) == (0.001, 0.05)
-    cfg, _ = resolve({"data": str(small_data), "opt": "adamw", "lr": 0.003})
+    cfg = resolve_train({"data": str(small_data), "opt": "adamw", "lr": 0.003})
     assert (cfg.lr, cfg.weight_decay) == (0.003, 0.05)
-    cfg, _ = resolve({"data": str(small_data)})
+    cfg = resolve_train({"data": str(small_data)})
     assert (cfg.opt, cfg.lr) == ("sgd", 0.01)
 
 
@@ -129,7 +129,7 @@ def test_tensorboard_scalars_per_step_and_per_epoch(small_data, tmp_path):
 def test_tensorboard_missing_is_a_clear_error(small_data, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboard", None)
     with pytest.raises(UserError, match="needs the tensorboard package"):
-        resolve({"data": str(small_data), "tensorboard": True})
+        train(resolve_train({"data": str(small_data), "tensorboard": True}), dry_run=True)
 
 
 @pytest.mark.parametrize(
@@ -138,7 +138,7 @@ def test_tensorboard_missing_is_a_clear_error(small_data, monkeypatch):
         ("--opt", "lamb", "invalid choice"),
         ("--label-smoothing", "1.5", "--label-smoothing must be in [0, 1)"),
         ("--ema-decay", "1.0", "--ema-decay must be between 0 and 1"),
-        ("--mixup", "-1", "--mixup is a Beta(alpha, alpha) parameter"),
+        ("--mixup", "-1", "--mixup must be at least 0, got -1.0"),
     ],
 )
 def test_bad_recipe_values_are_one_line_errors(small_data, capsys, flag, value, message):

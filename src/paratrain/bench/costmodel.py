@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from paratrain.config import LINK_PRESETS
+
 MIB = 2**20
 DDP_FIRST_BUCKET_BYTES = MIB  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 
@@ -53,20 +55,11 @@ class Link:
         return f"{text} ({self.note})" if self.note else text
 
 
-# Line rates per direction; latency as a collective library sees one message (software
-# included), not the wire's. Real all-reduce reaches perhaps 70-90% of these bandwidths.
+# the links `--link NAME` names (config.LINK_PRESETS: line rates per direction, latency
+# as a collective library sees one message)
 PRESETS: dict[str, Link] = {
-    link.name: link
-    for link in (
-        Link("nvlink4", 450.0, 3.0, "NVLink 4, H100 SXM: 900 GB/s both directions"),
-        Link("pcie5", 64.0, 5.0, "PCIe 5.0 x16"),
-        Link("pcie4", 32.0, 5.0, "PCIe 4.0 x16"),
-        Link("ib-ndr", 50.0, 6.0, "InfiniBand NDR, 400 Gb/s"),
-        Link("ib-hdr", 25.0, 6.0, "InfiniBand HDR, 200 Gb/s"),
-        Link("100gbe", 12.5, 25.0, "100 Gb Ethernet, TCP"),
-        Link("25gbe", 3.125, 30.0, "25 Gb Ethernet, TCP"),
-        Link("10gbe", 1.25, 50.0, "10 Gb Ethernet, TCP"),
-    )
+    name: Link(name, bandwidth, latency, note)
+    for name, (bandwidth, latency, note) in LINK_PRESETS.items()
 }
 
 

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from paratrain.bench import costmodel
-from paratrain.config import TrainConfig
+from paratrain.config import STEP_SETTINGS, BenchOptions, TrainConfig, to_argv
 from paratrain.errors import UserError
 
 SAME_THREADS = "same threads per process"
@@ -33,7 +33,9 @@ SAME_CORES = "same total cores"
 
 
 @dataclass
-class ScaleOptions:
+class ScaleSettings:
+    """`paratrain scale`'s options as the measurement uses them (links resolved)."""
+
     nproc_max: int = 2
     steps: int = 10
     warmup: int = 3
@@ -43,6 +45,30 @@ class ScaleOptions:
     intra_link: costmodel.Link = field(default_factory=lambda: costmodel.PRESETS["nvlink4"])
     epoch_images: int = 10_000
     max_n: int = 1024
+
+
+def settings_from(opts: ScaleSettings) -> ScaleSettings:
+    """The measurement's settings from the command's options: the processes to go up
+    to (default: the CUDA devices, else the cores), the links named or given."""
+    nproc_max = opts.nproc_max
+    if nproc_max is None:
+        import torch
+
+        nproc_max = torch.cuda.device_count() or available_cores()
+    link = costmodel.PRESETS[opts.link] if opts.link else None
+    if opts.bandwidth is not None:
+        link = costmodel.Link("given", opts.bandwidth, opts.latency)
+    return ScaleSettings(
+        nproc_max=nproc_max,
+        steps=opts.steps,
+        warmup=opts.warmup,
+        largest_message=max(4096, int(opts.max_message_mb * 2**20)),
+        link=link,
+        gpus_per_node=opts.gpus_per_node,
+        intra_link=costmodel.PRESETS[opts.intra_link],
+        epoch_images=opts.epoch_images,
+        max_n=opts.max_n,
+    )
 
 
 @dataclass
@@ -76,35 +102,14 @@ def _environ(**values: str) -> Iterator[None]:
                 os.environ[key] = value
 
 
-# the TrainConfig fields that change what a training step costs: `paratrain bench`'s flags
-STEP_FIELDS = (
-    "model",
-    "image_size",
-    "batch_size",
-    "device",
-    "precision",
-    "memory_format",
-    "bucket_cap_mb",
-    "grad_compression",
-    "compile",
-)
+def _bench_argv(cfg: TrainConfig, opts: ScaleSettings, result_file: Path, sweep: bool) -> list[str]:
+    """`paratrain bench` with this step's settings, writing its result to ``result_file``."""
+    bench = BenchOptions(steps=opts.steps, warmup=opts.warmup, result_file=str(result_file),
+                         sweep_bytes=opts.largest_message if sweep else 0)  # fmt: skip
+    return ["bench", *to_argv(cfg, STEP_SETTINGS), *to_argv(bench)]
 
 
-def _bench_argv(cfg: TrainConfig, opts: ScaleOptions, result_file: Path, sweep: bool) -> list[str]:
-    argv = ["bench", "--steps", str(opts.steps), "--warmup", str(opts.warmup),
-            "--result-file", str(result_file)]  # fmt: skip
-    for name in STEP_FIELDS:
-        value, flag = getattr(cfg, name), "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            argv += [flag] if value else []
-        elif value is not None:
-            argv += [flag, str(value)]
-    if sweep:
-        argv += ["--sweep-bytes", str(opts.largest_message)]
-    return argv
-
-
-def _launched(n: int, threads: int, cfg: TrainConfig, opts: ScaleOptions, sweep: bool) -> dict:
+def _launched(n: int, threads: int, cfg: TrainConfig, opts: ScaleSettings, sweep: bool) -> dict:
     from paratrain.distributed.launch import launch
 
     with tempfile.TemporaryDirectory(prefix="paratrain-scale-") as tmp:
@@ -119,7 +124,7 @@ def _launched(n: int, threads: int, cfg: TrainConfig, opts: ScaleOptions, sweep:
         return json.loads(result_file.read_text())
 
 
-def measure(cfg: TrainConfig, opts: ScaleOptions, say=print):
+def measure(cfg: TrainConfig, opts: ScaleSettings, say=print):
     """Run every measurement; returns (profile, measured rows, all-reduce samples)."""
     import torch
 
@@ -186,7 +191,7 @@ def _row(result: dict, threads: int, series: str) -> Measured:
 
 def report(
     cfg: TrainConfig,
-    opts: ScaleOptions,
+    opts: ScaleSettings,
     profile: costmodel.StepProfile,
     rows: list[Measured],
     samples: list[tuple[int, int, float]],

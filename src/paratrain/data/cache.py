@@ -17,6 +17,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -140,8 +141,7 @@ def prepare(
     if mode == "off":
         return None
     short = eval_resize(image_size)
-    base = Path(root) if root else default_cache_dir()
-    plan = _plan(samples, short, mode, max_gb, base / "decoded") if comm.is_main() else None
+    plan = _plan(samples, image_size, mode, max_gb, root) if comm.is_main() else None
     action, directory, reason = comm.broadcast_object(plan)
     if action == "skip":
         from paratrain.log import get_logger
@@ -161,10 +161,29 @@ def _stored_shape_or_empty(path: str, short: int) -> tuple[int, int]:
         return (0, 0)
 
 
-def _plan(samples, short: int, mode: str, max_gb: float, base: Path) -> tuple[str, str, str]:
+@dataclass
+class CachePlan:
+    """What the cache of a data set would do: be read ("ready"), be built ("build"), or
+    be left out ("skip", with the reason)."""
+
+    action: str
+    directory: Path | None
+    nbytes: int
+    reason: str = ""
+    shapes: np.ndarray | None = None  # (height, width) of every image, when built
+
+
+def survey(
+    samples: Sequence[Sample], image_size: int, mode: str, max_gb: float, root: str | None
+) -> CachePlan:
+    """The plan for ``samples`` without writing anything (reads each file's header)."""
+    short = eval_resize(image_size)
+    base = (Path(root) if root else default_cache_dir()) / "decoded"
+    if mode == "off":
+        return CachePlan("skip", None, 0, "--cache off")
     directory = base / cache_key(samples, short)
     if (directory / "COMPLETE").exists():
-        return "ready", str(directory), ""
+        return CachePlan("ready", directory, DecodedCache(directory).nbytes)
     shapes = np.array(
         [
             _stored_shape_or_empty(p, short)
@@ -178,20 +197,25 @@ def _plan(samples, short: int, mode: str, max_gb: float, base: Path) -> tuple[st
             )
         ],
         dtype=np.int64,
-    )
-    sizes = shapes[:, 0] * shapes[:, 1] * 3
-    total = int(sizes.sum())
+    ).reshape(-1, 2)
+    total = int((shapes[:, 0] * shapes[:, 1] * 3).sum())
     if mode == "auto" and total > max_gb * 2**30:
-        return (
-            "skip",
-            "",
-            (f"the decoded images need {total / 2**30:.1f} GB, over --cache-max-gb {max_gb:g}"),
-        )
+        reason = f"the decoded images need {total / 2**30:.1f} GB, over --cache-max-gb {max_gb:g}"
+        return CachePlan("skip", directory, total, reason)
+    return CachePlan("build", directory, total, shapes=shapes)
+
+
+def _plan(samples, image_size: int, mode: str, max_gb: float, root) -> tuple[str, str, str]:
+    plan = survey(samples, image_size, mode, max_gb, root)
+    if plan.action != "build":
+        return plan.action, str(plan.directory or ""), plan.reason
+    directory = plan.directory
     directory.mkdir(parents=True, exist_ok=True)
+    sizes = plan.shapes[:, 0] * plan.shapes[:, 1] * 3
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    np.save(directory / "index.npy", np.column_stack([offsets, shapes]))
+    np.save(directory / "index.npy", np.column_stack([offsets, plan.shapes]))
     with open(directory / "data.u8", "wb") as handle:
-        handle.truncate(max(total, 1))
+        handle.truncate(max(plan.nbytes, 1))
     return "build", str(directory), ""
 
 

@@ -11,43 +11,14 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Sequence
-from dataclasses import dataclass
 
+from paratrain.config import SlurmOptions
 from paratrain.errors import UserError
 
-
-@dataclass
-class SlurmJob:
-    nodes: int = 1
-    gpus_per_node: int = 0
-    procs_per_node: int | None = None  # default: one per GPU, else 1
-    cpus_per_task: int | None = None
-    time: str | None = None
-    partition: str | None = None
-    account: str | None = None
-    job_name: str = "paratrain"
-    port: int = 29500
-    max_restarts: int = 3
-    signal_seconds: int = 120
-    python: str = "python"
-
-    def validate(self) -> SlurmJob:
-        if self.nodes < 1:
-            raise UserError(f"--nodes must be at least 1, got {self.nodes}")
-        if self.gpus_per_node < 0:
-            raise UserError(f"--gpus-per-node must be 0 or more, got {self.gpus_per_node}")
-        if self.procs_per_node is not None and self.procs_per_node < 1:
-            raise UserError(f"--procs-per-node must be at least 1, got {self.procs_per_node}")
-        if not 0 < self.port < 65536:
-            raise UserError(f"--port must be a port number (1-65535), got {self.port}")
-        return self
-
-    @property
-    def per_node(self) -> int:
-        return self.procs_per_node or self.gpus_per_node or 1
+SIGNAL_SECONDS = 120  # USR1 this long before the time limit: time to save and requeue
 
 
-def sbatch_script(job: SlurmJob, train_args: Sequence[str]) -> str:
+def sbatch_script(job: SlurmOptions, train_args: Sequence[str]) -> str:
     """The batch script; ``train_args`` are passed to ``paratrain train`` unchanged."""
     job.validate()
     if any(a == "--nproc" or a.startswith("--nproc=") for a in train_args):
@@ -65,7 +36,7 @@ def sbatch_script(job: SlurmJob, train_args: Sequence[str]) -> str:
         if value:
             header.append(f"#SBATCH --{key}={value}")
     header += [
-        f"#SBATCH --signal=B:USR1@{job.signal_seconds}  # to this shell, before the time limit",
+        f"#SBATCH --signal=B:USR1@{SIGNAL_SECONDS}  # to this shell, before the time limit",
         "#SBATCH --requeue",
         "#SBATCH --open-mode=append",
         "#SBATCH --output=%x-%j.out",

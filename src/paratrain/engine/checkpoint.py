@@ -20,7 +20,7 @@ import torch
 from paratrain.config import TrainConfig
 from paratrain.distributed.runtime import Runtime
 from paratrain.engine.recipe import Recipe
-from paratrain.engine.schedule import effective_lr, lr_factor
+from paratrain.engine.schedule import effective_lr, lr_factor, peak_lr
 from paratrain.engine.state import Progress, gathered_rng_states, restore_rng
 from paratrain.errors import UserError
 from paratrain.log import get_logger
@@ -251,7 +251,7 @@ def _rescale(
     changes, and with it the scaled lr."""
     old_world, old_batch = state["world_size"], state["config"]["batch_size"]
     old_accum = state["config"].get("grad_accum", 1)
-    new_lr = effective_lr(cfg.lr, replicas * cfg.grad_accum, cfg.lr_scaling)
+    new_lr = peak_lr(cfg, replicas)
     old_lr = effective_lr(
         state["config"]["lr"], old_world * old_accum, state["config"]["lr_scaling"]
     )

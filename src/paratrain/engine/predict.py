@@ -12,6 +12,8 @@ import torch
 from paratrain.config import TrainConfig
 from paratrain.data.folder import IMAGE_EXTENSIONS, load_rgb
 from paratrain.data.transforms import eval_resize, eval_transform
+from paratrain.distributed.env import DistEnv
+from paratrain.distributed.runtime import choose_device
 from paratrain.engine import checkpoint
 from paratrain.errors import UserError
 from paratrain.models.registry import create_model, logits_of
@@ -68,7 +70,8 @@ def predict(
     """One row per image: its path and the top-k (class, probability) pairs."""
     if top_k < 1:
         raise UserError(f"--top-k must be at least 1, got {top_k}")
-    model, config, classes = load_for_inference(checkpoint_path, torch.device(device), ema)
+    device = choose_device(DistEnv(), device)
+    model, config, classes = load_for_inference(checkpoint_path, device, ema)
     transform, shrink = eval_transform(config.image_size), eval_resize(config.image_size)
     paths = collect_images(inputs)
     k = min(top_k, len(classes))
@@ -83,6 +86,12 @@ def predict(
                 {"path": path, "top": [(classes[i], v) for i, v in zip(idx, vals, strict=True)]}
             )
     return rows
+
+
+def check_inputs(checkpoint_path: str, inputs: Sequence[str], ema: bool = False) -> list[str]:
+    """What predict would read, checked without predicting: the images it would find."""
+    load_for_inference(checkpoint_path, torch.device("cpu"), ema)
+    return collect_images(inputs)
 
 
 def write_csv(rows: list[dict], path: str) -> None:

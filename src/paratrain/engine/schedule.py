@@ -29,6 +29,24 @@ def effective_lr(lr: float, world_size: int, scaling: str) -> float:
     return lr * world_size if scaling == "linear" else lr
 
 
+def peak_lr(cfg, replicas: int) -> float:
+    """The rate the schedule peaks at: --lr scaled for the global batch."""
+    return effective_lr(cfg.lr, replicas * cfg.grad_accum, cfg.lr_scaling)
+
+
+def describe_schedule(peak: float, cfg) -> str:
+    """The rates a run goes through, for the start line and --dry-run: the peak, the
+    warm-up (which starts lower) and where the cosine ends."""
+    warm = ""
+    if cfg.warmup_epochs:
+        first = lr_factor(0, cfg.epochs, cfg.lrf, cfg.warmup_epochs) * peak
+        warm = f", warm-up {cfg.warmup_epochs} epoch(s) from {first:g}"
+    scaled = (
+        f" ({cfg.lr:g} x {peak / cfg.lr:g}, {cfg.lr_scaling} scaling)" if peak != cfg.lr else ""
+    )
+    return f"peak lr {peak:g}{scaled}{warm}, cosine to {peak * cfg.lrf:g} by epoch {cfg.epochs}"
+
+
 def build_scheduler(
     optimizer: torch.optim.Optimizer, epochs: int, lrf: float, warmup_epochs: int
 ) -> torch.optim.lr_scheduler.LambdaLR:

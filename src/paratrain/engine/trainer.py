@@ -29,7 +29,7 @@ from paratrain.engine.control import StepControl
 from paratrain.engine.evaluate import EvalResult, evaluate
 from paratrain.engine.preempt import PreemptionGuard
 from paratrain.engine.recipe import Recipe, build_optimizer, build_recipe
-from paratrain.engine.schedule import build_scheduler
+from paratrain.engine.schedule import build_scheduler, describe_schedule, peak_lr
 from paratrain.engine.state import Progress
 from paratrain.log import get_logger
 from paratrain.models.registry import build_model
@@ -112,7 +112,8 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
         metrics.drop_after(progress.epoch)
         announce(cfg, split, run_dir, runtime, workers=loaders.workers, cached=loaders.cached,
                  replicas=parts.replicas, global_batch=samples_per_step(cfg, parts.replicas),
-                 lr=optimizer.param_groups[0]["lr"], precision=recipe.precision.mode)  # fmt: skip
+                 schedule=describe_schedule(peak_lr(cfg, parts.replicas), cfg),
+                 precision=recipe.precision.mode)  # fmt: skip
     board = Board(run_dir, cfg.tensorboard and runtime.is_main, runtime.world_size)
     return Run(cfg, runtime, split, run_dir, parts, optimizer, scheduler, recipe, loaders,
                progress, saver, control, metrics, board)  # fmt: skip

@@ -182,3 +182,57 @@ def build_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
             + ("" if cfg.weights else " (no --weights: the frozen backbone stays random)")
         )
     return model
+
+
+def runs_at(name: str, image_size: int) -> str | None:
+    """None when ``name`` trains on ``image_size``-pixel images, else why it cannot.
+
+    The model is built and run on the meta device (shapes only, no memory, no
+    arithmetic), in training mode at a batch of 2; an operation the meta device lacks is
+    tried once for real on the CPU instead."""
+    for device in ("meta", "cpu"):
+        try:
+            with torch.device(device):
+                model = create_model(name, 2, image_size)
+                model(torch.zeros(2, 3, image_size, image_size))
+            return None
+        except UserError:
+            raise
+        except NotImplementedError:
+            continue  # the meta device lacks an operation: ask the CPU
+        except Exception as exc:  # shapes that do not fit: RuntimeError, AssertionError, ...
+            text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            return text[:160]
+    return None
+
+
+def smallest_input_size(name: str, largest: int = 4096) -> int | None:
+    """The smallest image size ``name`` trains on (sizes a model takes only grow)."""
+    size = 8
+    while runs_at(name, size) is not None:
+        size *= 2
+        if size > largest:
+            return None
+    low, high = size // 2, size  # low fails (or is below 8), high works
+    while high - low > 1:
+        middle = (low + high) // 2
+        if middle >= 8 and runs_at(name, middle) is None:
+            high = middle
+        else:
+            low = middle
+    return high
+
+
+def check_input_size(name: str, image_size: int) -> None:
+    """A one-line UserError, with the smallest size that works, when ``name`` cannot
+    train on ``image_size``-pixel images: said before any image is decoded."""
+    problem = runs_at(name, image_size)
+    if problem is None:
+        return
+    smallest = smallest_input_size(name)
+    hint = (
+        f"; the smallest --image-size it takes is {smallest}"
+        if smallest is not None and smallest > image_size
+        else ""
+    )
+    raise UserError(f"--model {name} cannot run on {image_size}px images ({problem}){hint}")

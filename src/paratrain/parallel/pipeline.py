@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.config import TrainConfig
+from paratrain.config.train import check_pipeline_world
 from paratrain.distributed import comm
 from paratrain.distributed.runtime import Runtime
 from paratrain.errors import AgreedUserError, UserError
@@ -140,11 +141,10 @@ def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> PipelineParts
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     stages, world = cfg.stages, runtime.world_size
-    if world % stages:
-        raise AgreedUserError(
-            f"--strategy pipeline: {world} process(es) do not divide into {stages} stages "
-            f"(world size = stages x replicas; e.g. --nproc {stages} or {2 * stages})"
-        )
+    try:  # every rank alike: told once
+        check_pipeline_world(world, stages)
+    except UserError as exc:
+        raise AgreedUserError(str(exc)) from None
     replicas = world // stages
     stage, replica = runtime.rank % stages, runtime.rank // stages
     # every rank creates every group, in the same order (new_group is collective)

@@ -16,16 +16,11 @@ from paratrain.parallel import partition
 from paratrain.parallel.parts import ModelParts, memory_format_for
 
 
-def parse_devices(text: str | None) -> list[torch.device]:
-    names = [name.strip() for name in (text or "").split(",") if name.strip()]
-    if len(names) < 2:
-        raise UserError(f"--strategy split needs --devices with at least 2 devices, got {text!r}")
+def parse_devices(cfg: TrainConfig) -> list[torch.device]:
+    """--devices as devices this machine has."""
     devices = []
-    for name in names:
-        try:
-            device = torch.device(name)
-        except RuntimeError:
-            raise UserError(f"--devices: not a device name: {name!r}") from None
+    for name in cfg.device_list():
+        device = torch.device(name)
         if device.type == "cuda":
             if not torch.cuda.is_available():
                 raise UserError(f"--devices {name}: CUDA is not available on this machine")
@@ -43,7 +38,7 @@ def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> ModelParts:
         raise AgreedUserError(
             "--strategy split runs in one process; use --strategy pipeline across processes"
         )
-    devices = parse_devices(cfg.devices)
+    devices = parse_devices(cfg)
     memory_format = memory_format_for(model, cfg.memory_format, devices[0])
     model = model.to(memory_format=memory_format)
     # profiled on the CPU, where the whole model is (it may not fit any one device)

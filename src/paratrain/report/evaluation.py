@@ -11,6 +11,23 @@ from paratrain.data.folder import DataSplit
 from paratrain.report.plots import plot_confusion
 
 
+def format_report(report: dict) -> str:
+    """`paratrain eval`'s lines: the totals, then each class's accuracy."""
+    top5 = f"  top5 {report['top5']:.2%}" if report["top5"] is not None else ""
+    lines = [
+        f"{report['count']} images on {report['world_size']} process(es): "
+        f"loss {report['loss']:.4f}  top1 {report['top1']:.2%}{top5}"
+    ]
+    width = max(len(name) for name in report["per_class"])
+    lines += [
+        f"  {name.ljust(width)}  {accuracy:.2%}" for name, accuracy in report["per_class"].items()
+    ]
+    lines.append(
+        f"per-class accuracy, confusion matrix and misclassified files in {report['report_dir']}"
+    )
+    return "\n".join(lines)
+
+
 def write_evaluation(
     confusion: torch.Tensor, predictions: list[tuple[int, int]], split: DataSplit, out: Path
 ) -> Path:

@@ -35,10 +35,11 @@ def announce(
     cached: bool,
     replicas: int,
     global_batch: int,
-    lr: float,
+    schedule: str,
     precision: str,
 ) -> None:
-    """What is about to run: data, model, processes, batch, rate, recipe, precision."""
+    """What is about to run: data, model, processes, batch, the learning rates (peak,
+    warm-up, end), recipe, precision."""
     log = get_logger()
     log.info(
         f"run {run_dir}: {cfg.model} at {cfg.image_size}px, {len(split.classes)} classes, "
@@ -49,9 +50,8 @@ def announce(
     )
     accum = f" x {cfg.grad_accum} micro-batches" if cfg.grad_accum > 1 else ""
     log.info(
-        f"global batch {global_batch} ({cfg.batch_size} x {replicas}{accum}), "
-        f"{cfg.opt} lr {lr:g} (base {cfg.lr:g}, scaling {cfg.lr_scaling}), {cfg.epochs} epochs"
-        + _recipe_words(cfg)
+        f"global batch {global_batch} ({cfg.batch_size} x {replicas}{accum}), {cfg.opt} "
+        f"{schedule}" + _recipe_words(cfg)
     )
     log.info(
         f"precision {precision}"

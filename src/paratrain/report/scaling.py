@@ -15,9 +15,10 @@ CSV_COLUMNS = ("source", "n", "threads", "step_ms", "communication_ms", "images_
 
 def _table(header: list[str], rows: list[list[str]], indent: str = "  ") -> list[str]:
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
-    line = lambda cells: (
-        indent + "  ".join(str(c).rjust(w) for c, w in zip(cells, widths, strict=True))
-    )  # noqa: E731
+
+    def line(cells: list) -> str:
+        return indent + "  ".join(str(c).rjust(w) for c, w in zip(cells, widths, strict=True))
+
     return [line(header), *(line(r) for r in rows)]
 
 
