@@ -14,12 +14,18 @@ import torch.multiprocessing as mp
 
 
 def _entry(rank: int, world: int, port: int, threads: int, fn, args, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world))  # fmt: skip
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))  # fmt: skip
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600)
+    )
     try:
         result = fn(rank, world, *args)
         torch.save(result, Path(out) / f"{rank}.pt")
@@ -33,6 +39,7 @@ def run(fn, world: int, threads: int, *args) -> list:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_entry, args=(world, port, threads, fn, args, out), nprocs=world,
-                           start_method="spawn")  # fmt: skip
+        mp.start_processes(
+            _entry, args=(world, port, threads, fn, args, out), nprocs=world, start_method="spawn"
+        )
         return [torch.load(Path(out) / f"{r}.pt", weights_only=False) for r in range(world)]

@@ -34,8 +34,13 @@ def _local_bytes(tensor: torch.Tensor) -> int:
 
 
 def _worker(rank, world, args, strategy):
-    cfg = TrainConfig(model=args.model, image_size=args.image_size, batch_size=args.batch_size,
-                      precision="32", strategy=strategy)  # fmt: skip
+    cfg = TrainConfig(
+        model=args.model,
+        image_size=args.image_size,
+        batch_size=args.batch_size,
+        precision="32",
+        strategy=strategy,
+    )
     runtime = Runtime(env=detect(os.environ), device=torch.device("cpu"), backend="gloo")
     x = torch.randn(args.batch_size, 3, args.image_size, args.image_size)
     y = torch.randint(0, CLASSES, (args.batch_size,))
@@ -55,8 +60,9 @@ def _worker(rank, world, args, strategy):
     params = list(parts.parameters())
     held["parameters"] = sum(_local_bytes(p) for p in params)
     held["gradients"] = sum(_local_bytes(p.grad) for p in params if p.grad is not None)
-    held["optimizer"] = sum(_local_bytes(v) for s in optimizer.state.values()
-                            for v in s.values() if torch.is_tensor(v))  # fmt: skip
+    held["optimizer"] = sum(
+        _local_bytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
+    )
     return held
 
 
@@ -69,8 +75,10 @@ def main() -> None:
     args = parser.parse_args()
     threads = max(1, len(os.sched_getaffinity(0)) // args.nproc)
     results = {s: spawn(_worker, args.nproc, threads, args, s) for s in ("ddp", "fsdp")}
-    print(f"{args.model}, {args.nproc} processes, batch {args.batch_size} x {args.image_size}px, "
-          "SGD momentum, fp32; per process (the largest over processes), MiB")  # fmt: skip
+    print(
+        f"{args.model}, {args.nproc} processes, batch {args.batch_size} x {args.image_size}px, "
+        "SGD momentum, fp32; per process (the largest over processes), MiB"
+    )
     keys = ("parameters", "gradients", "optimizer")
     print(f"{'':<6}" + "".join(f"{k:>12}" for k in (*keys, "sum")))
     sums = {}

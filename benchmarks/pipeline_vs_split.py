@@ -37,15 +37,22 @@ CLASSES = 10
 
 
 def _config(args, **overrides) -> TrainConfig:
-    return TrainConfig(model=args.model, image_size=args.image_size, batch_size=args.batch_size,
-                       precision="32", memory_format="contiguous", **overrides)  # fmt: skip
+    return TrainConfig(
+        model=args.model,
+        image_size=args.image_size,
+        batch_size=args.batch_size,
+        precision="32",
+        memory_format="contiguous",
+        **overrides,
+    )
 
 
 def _seconds_per_step(cfg: TrainConfig, steps: int, warmup: int) -> float:
     """Median over ``steps`` timed steps (rank 0's clock, every rank synchronised)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    runtime = Runtime(env=detect(os.environ), device=torch.device("cpu"),
-                      backend="gloo" if world > 1 else None)  # fmt: skip
+    runtime = Runtime(
+        env=detect(os.environ), device=torch.device("cpu"), backend="gloo" if world > 1 else None
+    )
     parts = parallelize(build_model(cfg, CLASSES), cfg, runtime)
     optimizer = build_optimizer(parts, cfg, parts.replicas)
     precision, criterion = Precision("32", runtime.device), torch.nn.CrossEntropyLoss()
@@ -70,8 +77,9 @@ def _seconds_per_step(cfg: TrainConfig, steps: int, warmup: int) -> float:
 
 
 def _pipeline_worker(rank, world, args, microbatches, schedule):
-    cfg = _config(args, strategy="pipeline", stages=args.stages, microbatches=microbatches,
-                  schedule=schedule)  # fmt: skip
+    cfg = _config(
+        args, strategy="pipeline", stages=args.stages, microbatches=microbatches, schedule=schedule
+    )
     return _seconds_per_step(cfg, args.steps, args.warmup)
 
 
@@ -94,19 +102,25 @@ def main() -> None:
     for _ in range(args.rounds):  # alternate, so drift in machine load hits all alike
         torch.set_num_threads(cores)
         samples.setdefault("one process", []).append(
-            _seconds_per_step(_config(args), args.steps, args.warmup))  # fmt: skip
+            _seconds_per_step(_config(args), args.steps, args.warmup)
+        )
         torch.set_num_threads(per_device)
-        samples.setdefault("split", []).append(_seconds_per_step(
-            _config(args, strategy="split", devices=devices), args.steps, args.warmup))  # fmt: skip
+        samples.setdefault("split", []).append(
+            _seconds_per_step(
+                _config(args, strategy="split", devices=devices), args.steps, args.warmup
+            )
+        )
         for m in args.microbatches:
             for schedule in args.schedules:
                 seconds = spawn(_pipeline_worker, args.stages, per_device, args, m, schedule)[0]
                 samples.setdefault(f"pipeline {schedule} M={m}", []).append(seconds)
     step = {name: statistics.median(values) for name, values in samples.items()}
     p = args.stages
-    print(f"{args.model} at {args.image_size}px, batch {args.batch_size}, {p} stages, "
-          f"{cores} cores: a device = {per_device} thread(s); median of {args.rounds} rounds "
-          f"x {args.steps} steps")  # fmt: skip
+    print(
+        f"{args.model} at {args.image_size}px, batch {args.batch_size}, {p} stages, "
+        f"{cores} cores: a device = {per_device} thread(s); median of {args.rounds} rounds "
+        f"x {args.steps} steps"
+    )
     print(f"{'':<22} {'images/s':>9} {'vs split':>9} {'ideal':>7} {'of ideal':>9}")
     split = step["split"]
     verdicts = []
@@ -120,8 +134,10 @@ def main() -> None:
             verdicts.append(share >= 0.85)
             line += f" {ideal:6.2f}x {share:8.0%}"
         print(line)
-    print(f"target: every pipeline at least 85% of its ideal speedup over the split: "
-          f"{'met' if all(verdicts) else 'NOT met'}")  # fmt: skip
+    print(
+        f"target: every pipeline at least 85% of its ideal speedup over the split: "
+        f"{'met' if all(verdicts) else 'NOT met'}"
+    )
 
 
 if __name__ == "__main__":

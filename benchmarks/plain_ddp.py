@@ -42,27 +42,44 @@ def main() -> None:
     normalize = T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
     train_set = torchvision.datasets.ImageFolder(
         os.path.join(args.data, "train"),
-        T.Compose([T.RandomResizedCrop(args.image_size), T.RandomHorizontalFlip(),
-                   T.ToTensor(), normalize]),
-    )  # fmt: skip
+        T.Compose(
+            [
+                T.RandomResizedCrop(args.image_size),
+                T.RandomHorizontalFlip(),
+                T.ToTensor(),
+                normalize,
+            ]
+        ),
+    )
     val_set = torchvision.datasets.ImageFolder(
         os.path.join(args.data, "val"),
-        T.Compose([T.Resize(args.image_size * 256 // 224), T.CenterCrop(args.image_size),
-                   T.ToTensor(), normalize]),
-    )  # fmt: skip
+        T.Compose(
+            [
+                T.Resize(args.image_size * 256 // 224),
+                T.CenterCrop(args.image_size),
+                T.ToTensor(),
+                normalize,
+            ]
+        ),
+    )
     sampler = DistributedSampler(train_set, seed=0) if distributed else None
-    train_loader = DataLoader(train_set, args.batch_size, shuffle=sampler is None,
-                              sampler=sampler, num_workers=args.workers)  # fmt: skip
+    train_loader = DataLoader(
+        train_set,
+        args.batch_size,
+        shuffle=sampler is None,
+        sampler=sampler,
+        num_workers=args.workers,
+    )
     val_sampler = DistributedSampler(val_set, shuffle=False) if distributed else None
-    val_loader = DataLoader(val_set, args.batch_size, sampler=val_sampler,
-                            num_workers=args.workers)  # fmt: skip
+    val_loader = DataLoader(val_set, args.batch_size, sampler=val_sampler, num_workers=args.workers)
 
     torch.manual_seed(0)
     model = torchvision.models.get_model(args.model, num_classes=len(train_set.classes))
     if distributed:
         model = nn.parallel.DistributedDataParallel(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * world, momentum=0.9,
-                                weight_decay=0.005)  # fmt: skip
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=args.lr * world, momentum=0.9, weight_decay=0.005
+    )
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, args.epochs)
     criterion = nn.CrossEntropyLoss()
 
@@ -92,9 +109,15 @@ def main() -> None:
         dist.all_reduce(totals)  # images summed; seconds summed, averaged below
         seen, train_seconds = totals[0].item(), totals[1].item() / world
     if rank == 0:
-        print(json.dumps({"images_per_s": seen / train_seconds,
-                          "val_top1": (correct[0] / correct[1]).item(),
-                          "train_seconds": train_seconds}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "images_per_s": seen / train_seconds,
+                    "val_top1": (correct[0] / correct[1]).item(),
+                    "train_seconds": train_seconds,
+                }
+            )
+        )
     if distributed:
         dist.destroy_process_group()
 

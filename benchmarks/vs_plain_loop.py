@@ -69,11 +69,27 @@ def run(command: list[str], threads: int, cwd: Path, **extra: str) -> tuple[floa
 
 
 def plain(data, size, nproc, args, cwd):
-    script = [str(HERE / "plain_ddp.py"), str(data), "--image-size", str(size),
-              "--batch-size", "16", "--epochs", str(args.epochs), "--workers", "1"]  # fmt: skip
+    script = [
+        str(HERE / "plain_ddp.py"),
+        str(data),
+        "--image-size",
+        str(size),
+        "--batch-size",
+        "16",
+        "--epochs",
+        str(args.epochs),
+        "--workers",
+        "1",
+    ]
     if nproc > 1:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={nproc}", *script]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            *script,
+        ]
     else:
         command = [sys.executable, *script]
     wall, out = run(command, 2 // nproc, cwd)
@@ -82,12 +98,37 @@ def plain(data, size, nproc, args, cwd):
 
 
 def paratrain(data, size, nproc, args, cwd, matched: bool, name: str, cache: str = ""):
-    command = [sys.executable, "-m", "paratrain", "train", "--data", str(data),
-               "--image-size", str(size), "--batch-size", "16", "--epochs", str(args.epochs),
-               "--nproc", str(nproc), "--lrf", "0", "--name", name]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "paratrain",
+        "train",
+        "--data",
+        str(data),
+        "--image-size",
+        str(size),
+        "--batch-size",
+        "16",
+        "--epochs",
+        str(args.epochs),
+        "--nproc",
+        str(nproc),
+        "--lrf",
+        "0",
+        "--name",
+        name,
+    ]
     if matched:
-        command += ["--precision", "32", "--cache", "off", "--memory-format", "contiguous",
-                    "--workers", "1"]  # fmt: skip
+        command += [
+            "--precision",
+            "32",
+            "--cache",
+            "off",
+            "--memory-format",
+            "contiguous",
+            "--workers",
+            "1",
+        ]
     wall, _ = run(command, 2 // nproc, cwd, PARATRAIN_CACHE=cache or str(cwd / "cache" / name))
     rows = [json.loads(x) for x in (cwd / "runs" / name / "metrics.jsonl").read_text().splitlines()]
     seconds = sum(1 / r["train_images_per_s"] for r in rows)  # per image, summed over epochs
@@ -106,8 +147,10 @@ def main() -> None:
         cwd = Path(tmp)
         data = make_folder(cwd / "data", args.images)
         n_train = sum(1 for _ in (data / "train").rglob("*.jpg"))
-        print(f"{args.images} JPEGs 400x300 ({n_train} train), resnet18, batch 16 per process, "
-              f"{args.epochs} epochs, {args.rounds} round(s)")  # fmt: skip
+        print(
+            f"{args.images} JPEGs 400x300 ({n_train} train), resnet18, batch 16 per process, "
+            f"{args.epochs} epochs, {args.rounds} round(s)"
+        )
         for size in args.sizes:
             for layout in args.layouts:
                 nproc = int(layout.split("x")[0])
@@ -129,9 +172,11 @@ def main() -> None:
                 base_ips, base_e2e = best["plain"][0], e2e["plain"]
                 print(f"\n{size} px, {layout}:")
                 for k in got:
-                    print(f"  {k:9s} train {best[k][0]:7.1f} img/s ({best[k][0] / base_ips:5.2f}x)  "
-                          f"end to end {e2e[k]:7.1f} img/s ({e2e[k] / base_e2e:5.2f}x)  "
-                          f"val top-1 {best[k][2]:.1%}")  # fmt: skip
+                    print(
+                        f"  {k:9s} train {best[k][0]:7.1f} img/s ({best[k][0] / base_ips:5.2f}x)  "
+                        f"end to end {e2e[k]:7.1f} img/s ({e2e[k] / base_e2e:5.2f}x)  "
+                        f"val top-1 {best[k][2]:.1%}"
+                    )
 
 
 if __name__ == "__main__":

@@ -90,10 +90,15 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, say: Say = print) -> dict 
     cfg.validate()
     env = detect(os.environ)
     if cfg.data is None:  # the embedded digits set
-        from paratrain.data.builtin import ensure_digits
+        from paratrain.data.builtin import digits_dir, digits_ready, ensure_digits
 
         if env.is_main and not os.environ.get(CHECKED):
             say("; ".join(preset_notes(cfg)))
+        if dry_run and not digits_ready(cfg.cache_dir):  # a dry run writes nothing
+            cfg.validate()
+            check_devices(cfg)
+            say(describe_train(cfg, env, unwritten=digits_dir(cfg.cache_dir)))
+            return None
         cfg = replace(cfg, data=str(ensure_digits(cfg.cache_dir)))
     if not os.environ.get(CHECKED):
         _told_once(env, lambda: preflight(cfg))
@@ -103,8 +108,13 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, say: Say = print) -> dict 
     if cfg.nproc > 1 and env.source == "single" and not cfg.name and not cfg.resume:
         # restarted workers must find this run again, so its name is fixed up front
         cfg = replace(cfg, name=time.strftime("%Y%m%d-%H%M%S"))
-    return launch_or_run(cfg.nproc, ["train", *to_argv(cfg)], lambda env: _train_worker(cfg, env),
-                         max_restarts=cfg.max_restarts, master_port=cfg.master_port)  # fmt: skip
+    return launch_or_run(
+        cfg.nproc,
+        ["train", *to_argv(cfg)],
+        lambda env: _train_worker(cfg, env),
+        max_restarts=cfg.max_restarts,
+        master_port=cfg.master_port,
+    )
 
 
 def preflight(cfg: TrainConfig) -> None:
@@ -168,8 +178,9 @@ def check_devices(cfg: TrainConfig) -> None:
         raise UserError("--backend nccl needs CUDA devices; use gloo on CPU")
 
 
-def describe_train(cfg: TrainConfig, env: DistEnv) -> str:
-    """What `train --dry-run` prints: the resolved config, then what would run."""
+def describe_train(cfg: TrainConfig, env: DistEnv, unwritten: Path | None = None) -> str:
+    """What `train --dry-run` prints: the resolved config, then what would run.
+    ``unwritten``: where the embedded digits set would first be written."""
     import torch
     import yaml
 
@@ -180,7 +191,6 @@ def describe_train(cfg: TrainConfig, env: DistEnv) -> str:
     from paratrain.models.registry import check_input_size
 
     check_input_size(cfg.model, cfg.image_size)
-    split = build_split(cfg.data, cfg.val_fraction, cfg.split_seed)
     launched = cfg.nproc > 1 and env.source == "single"
     world = cfg.nproc if launched else env.world_size
     cuda = torch.cuda.is_available() and not (cfg.device or "").startswith("cpu")
@@ -190,13 +200,23 @@ def describe_train(cfg: TrainConfig, env: DistEnv) -> str:
     global_batch = cfg.batch_size * replicas * cfg.grad_accum
     peak = peak_lr(cfg, replicas)
     precision = resolve(cfg.precision, torch.device(device))
-    plan = survey(split.train + split.val, cfg.image_size, cfg.cache, cfg.cache_max_gb,
-                  cfg.cache_dir)  # fmt: skip
-    cache = {
-        "ready": f"ready ({plan.nbytes / 2**30:.2f} GB at {plan.directory})",
-        "build": f"would be built: {plan.nbytes / 2**30:.2f} GB at {plan.directory}",
-        "skip": f"off ({plan.reason})",
-    }[plan.action]
+    if unwritten is not None:
+        data = f"the embedded digits set, written to {unwritten} by the first run"
+        cache = "decided once the digits set is written"
+    else:
+        split = build_split(cfg.data, cfg.val_fraction, cfg.split_seed)
+        data = (
+            f"{cfg.data}: {len(split.classes)} classes, {len(split.train)} train / "
+            f"{len(split.val)} val images ({split.layout})"
+        )
+        plan = survey(
+            split.train + split.val, cfg.image_size, cfg.cache, cfg.cache_max_gb, cfg.cache_dir
+        )
+        cache = {
+            "ready": f"ready ({plan.nbytes / 2**30:.2f} GB at {plan.directory})",
+            "build": f"would be built: {plan.nbytes / 2**30:.2f} GB at {plan.directory}",
+            "skip": f"off ({plan.reason})",
+        }[plan.action]
     how = (
         f"{world} processes started here by torch's elastic launcher (c10d rendezvous)"
         if launched
@@ -210,8 +230,7 @@ def describe_train(cfg: TrainConfig, env: DistEnv) -> str:
         f"  processes: {how}",
         f"  device: {device}, backend {backend if world > 1 else 'none (one process)'}, "
         f"strategy {cfg.strategy}",
-        f"  data: {cfg.data}: {len(split.classes)} classes, {len(split.train)} train / "
-        f"{len(split.val)} val images ({split.layout})",
+        f"  data: {data}",
         f"  model: {cfg.model} at {cfg.image_size}px (runs at that size)",
         f"  global batch: {global_batch} ({cfg.batch_size} x {replicas} replica(s)"
         + (f" x {cfg.grad_accum} micro-batches)" if cfg.grad_accum > 1 else ")"),
@@ -257,15 +276,18 @@ def evaluate(opts: EvalOptions, say: Say = print) -> dict | None:
         )
     weights = weights_of(state, opts.checkpoint, opts.ema)
     if opts.dry_run:
-        say(f"would evaluate {opts.checkpoint} ({saved.model} at {saved.image_size}px, "
+        say(
+            f"would evaluate {opts.checkpoint} ({saved.model} at {saved.image_size}px, "
             f"{len(split.classes)} classes) on {len(split.val)} validation images of "
-            f"{data_dir} with {opts.nproc} process(es)")  # fmt: skip
+            f"{data_dir} with {opts.nproc} process(es)"
+        )
         return None
     report_dir = _eval_dir(opts.checkpoint, "-ema" if opts.ema else "")
     report = launch_or_run(
-        opts.nproc, ["eval", *to_argv(opts)],
+        opts.nproc,
+        ["eval", *to_argv(opts)],
         lambda env: _evaluate_worker(weights, saved, split, opts, env, report_dir),
-    )  # fmt: skip
+    )
     if report is not None and env.is_main:
         from paratrain.report.evaluation import format_report
 
@@ -281,8 +303,9 @@ def _eval_dir(state_path: str, suffix: str = "") -> Path:
     return run / f"eval{suffix}" if run else path.parent / f"eval-{path.stem}{suffix}"
 
 
-def _evaluate_worker(weights, saved: TrainConfig, split, opts: EvalOptions, env: DistEnv,
-                     report_dir: Path) -> dict:  # fmt: skip
+def _evaluate_worker(
+    weights, saved: TrainConfig, split, opts: EvalOptions, env: DistEnv, report_dir: Path
+) -> dict:
     from torch.utils.data import DataLoader
 
     from paratrain.data.loaders import default_workers
@@ -331,8 +354,9 @@ def predict(opts: PredictOptions, say: Say = print) -> list[dict]:
         paths = check_inputs(opts.checkpoint, opts.inputs, opts.ema)
         say(f"would predict {len(paths)} image(s) with {opts.checkpoint} on {opts.device}")
         return []
-    rows = predict_images(opts.checkpoint, opts.inputs, opts.top_k, opts.batch_size,
-                          opts.device, opts.ema)  # fmt: skip
+    rows = predict_images(
+        opts.checkpoint, opts.inputs, opts.top_k, opts.batch_size, opts.device, opts.ema
+    )
     for row in rows:
         say(f"{row['path']}: " + ", ".join(f"{name} {p:.3f}" for name, p in row["top"]))
     if opts.csv:
@@ -403,8 +427,10 @@ def bench(cfg: TrainConfig, opts: BenchOptions, say: Say = print):
         from paratrain.models.registry import check_input_size
 
         check_input_size(cfg.model, cfg.image_size)
-        say(f"would time {opts.steps} steps (after {opts.warmup}) of {cfg.model} at "
-            f"{cfg.image_size}px, batch {cfg.batch_size} x {cfg.nproc} process(es)")  # fmt: skip
+        say(
+            f"would time {opts.steps} steps (after {opts.warmup}) of {cfg.model} at "
+            f"{cfg.image_size}px, batch {cfg.batch_size} x {cfg.nproc} process(es)"
+        )
         return None
     argv = ["bench", *to_argv(cfg, BENCH_SETTINGS), *to_argv(opts)]
     result = launch_or_run(cfg.nproc, argv, lambda env: _bench_worker(cfg, opts, env))
@@ -459,8 +485,10 @@ def scale(cfg: TrainConfig, opts: ScaleOptions, say: Say = print) -> dict | None
             from paratrain.models.registry import check_input_size
 
             check_input_size(cfg.model, cfg.image_size)
-            say(f"would measure {cfg.model} at {cfg.image_size}px on 1..{settings.nproc_max} "
-                f"processes and write {opts.out}")  # fmt: skip
+            say(
+                f"would measure {cfg.model} at {cfg.image_size}px on 1..{settings.nproc_max} "
+                f"processes and write {opts.out}"
+            )
             return None
         profile, rows, samples = scaling.measure(cfg, settings, say=say)
         report = scaling.report(cfg, settings, profile, rows, samples)
@@ -484,23 +512,41 @@ def plan(cfg: TrainConfig, opts: PlanOptions, say: Say = print) -> dict | None:
     limit = memory.parse_size(opts.device_memory)
     check_input_size(cfg.model, cfg.image_size)
     if opts.dry_run:
-        say(f"would profile {cfg.model} at {cfg.image_size}px and plan batch {cfg.batch_size} "
-            f"on {opts.devices} device(s) of {opts.device_memory}")  # fmt: skip
+        say(
+            f"would profile {cfg.model} at {cfg.image_size}px and plan batch {cfg.batch_size} "
+            f"on {opts.devices} device(s) of {opts.device_memory}"
+        )
         return None
     torch.manual_seed(0)
     net = create_model(cfg.model, opts.classes, cfg.image_size)
-    rows = memory.estimate(net, cfg.image_size, cfg.batch_size, opts.devices,
-                           optimizer_slots(cfg.opt, cfg.momentum), cfg.microbatches,
-                           cfg.schedule, model_name=cfg.model)  # fmt: skip
+    rows = memory.estimate(
+        net,
+        cfg.image_size,
+        cfg.batch_size,
+        opts.devices,
+        optimizer_slots(cfg.opt, cfg.momentum),
+        cfg.microbatches,
+        cfg.schedule,
+        model_name=cfg.model,
+    )
     choice, why = memory.recommend(rows, limit, opts.devices)
-    result = {"model": cfg.model, "image_size": cfg.image_size, "batch_size": cfg.batch_size,
-              "devices": opts.devices, "device_memory": limit, "rows": memory.as_dict(rows),
-              "recommended": choice, "why": why}  # fmt: skip
+    result = {
+        "model": cfg.model,
+        "image_size": cfg.image_size,
+        "batch_size": cfg.batch_size,
+        "devices": opts.devices,
+        "device_memory": limit,
+        "rows": memory.as_dict(rows),
+        "recommended": choice,
+        "why": why,
+    }
     if opts.json:
         say(json.dumps(result))
     else:
-        heading = (f"{cfg.model} at {cfg.image_size}px, batch {cfg.batch_size} per device, "
-                   f"{cfg.opt}, fp32, {opts.devices} device(s) of {opts.device_memory}:")  # fmt: skip
+        heading = (
+            f"{cfg.model} at {cfg.image_size}px, batch {cfg.batch_size} per device, "
+            f"{cfg.opt}, fp32, {opts.devices} device(s) of {opts.device_memory}:"
+        )
         say(memory.format_plan(rows, limit, opts.devices, choice, why, heading))
     return result
 
@@ -528,8 +574,9 @@ def check(opts: CheckOptions, say: Say = print) -> int:
     if opts.dry_run:
         say(f"would test collectives and bandwidth on {opts.nproc} process(es)")
         return 0
-    code = launch_or_run(opts.nproc, ["check", *to_argv(opts)],
-                         lambda env: _check_worker(opts, env, say))  # fmt: skip
+    code = launch_or_run(
+        opts.nproc, ["check", *to_argv(opts)], lambda env: _check_worker(opts, env, say)
+    )
     return 0 if code is None else code
 
 
@@ -556,8 +603,9 @@ def _check_alone(runtime, timeout_s: float, say: Say) -> int:
 
     backend = choose_backend(runtime.device)
     store = dist.HashStore()
-    dist.init_process_group(backend, store=store, rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+    dist.init_process_group(
+        backend, store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=timeout_s)
+    )
     try:
         rows = run_checks(Runtime(env=runtime.env, device=runtime.device, backend=backend))
     finally:
@@ -578,5 +626,18 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "check": check,
 }
 
-__all__ = ["COMMANDS", "bench", "check", "evaluate", "export",
-           "launch_or_run", "models", "plan", "predict", "runs", "scale", "slurm", "train"]  # fmt: skip
+__all__ = [
+    "COMMANDS",
+    "bench",
+    "check",
+    "evaluate",
+    "export",
+    "launch_or_run",
+    "models",
+    "plan",
+    "predict",
+    "runs",
+    "scale",
+    "slurm",
+    "train",
+]

@@ -57,14 +57,14 @@ COMMANDS: dict[str, Command] = {
     "predict": Command("class probabilities for images or folders of images", PredictOptions),
     "export": Command(
         "write a checkpoint as a torch.export program or as safetensors", ExportOptions
-    ),  # fmt: skip
+    ),
     "runs": Command("a table of the runs in a folder", RunsOptions),
     "models": Command("list the model names --model accepts", ModelsOptions),
     "bench": Command(
         "training-step speed on synthetic data: images/s, time per phase",
         BenchOptions,
         BENCH_SETTINGS,
-    ),  # fmt: skip
+    ),
     "scale": Command(
         "scaling report: measure 1..N processes, fit the link, predict larger clusters",
         ScaleOptions,
@@ -137,18 +137,29 @@ def add_settings(parser: argparse.ArgumentParser, cls: type, names: Sequence[str
         )
         if s.rule.positional:
             default = s.default if s.rule.nargs == "?" else S
-            target.add_argument(s.name, nargs=s.rule.nargs, default=default, help=shown,
-                                metavar=metavar)  # fmt: skip
+            target.add_argument(
+                s.name, nargs=s.rule.nargs, default=default, help=shown, metavar=metavar
+            )
         elif s.kind is bool:
             target.add_argument(s.flag, dest=s.name, action="store_true", default=S, help=shown)
         else:
-            target.add_argument(s.flag, dest=s.name, type=_parse_as(s), default=S, help=shown,
-                                choices=s.rule.choices, metavar=metavar or s.name.upper())  # fmt: skip
+            target.add_argument(
+                s.flag,
+                dest=s.name,
+                type=_parse_as(s),
+                default=S,
+                help=shown,
+                choices=s.rule.choices,
+                metavar=metavar or s.name.upper(),
+            )
 
 
 def build_parser() -> _Parser:
-    parser = _Parser(prog="paratrain", description="Train image classifiers in parallel with "
-                     "PyTorch: one CPU or GPU, several GPUs, or many machines.")  # fmt: skip
+    parser = _Parser(
+        prog="paratrain",
+        description="Train image classifiers in parallel with "
+        "PyTorch: one CPU or GPU, several GPUs, or many machines.",
+    )
     parser.add_argument("--version", action="version", version=f"paratrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, command in COMMANDS.items():
@@ -159,6 +170,27 @@ def build_parser() -> _Parser:
     return parser
 
 
+def flag_reference() -> str:
+    """The README's flag tables, made from the schema: `train`'s by group, then every
+    other command's (a test keeps the README equal to this)."""
+    from paratrain.config.schema import markdown_table
+
+    groups = list(dict.fromkeys(s.rule.group for s in settings(TrainConfig)))
+    parts = ["### `paratrain train`", "", markdown_table(TrainCommand)]
+    for group in groups:
+        parts += ["", f"**{group}**", "", markdown_table(TrainConfig, group)]
+    for name, command in COMMANDS.items():
+        if name == "train":
+            continue
+        parts += ["", f"### `paratrain {name}`", "", command.help]
+        if any(not s.rule.hidden for s in settings(command.options)):
+            parts += ["", markdown_table(command.options)]
+        if command.train_settings:
+            flags = ", ".join(f"`--{n.replace('_', '-')}`" for n in command.train_settings)
+            parts += ["", f"and these of `train`: {flags}"]
+    return "\n".join(parts) + "\n"
+
+
 def _given(args: argparse.Namespace, cls: type, names: Sequence[str] | None = None) -> dict:
     """The values the user gave for ``cls``'s settings (argparse left the rest out)."""
     picked = {}
@@ -166,6 +198,14 @@ def _given(args: argparse.Namespace, cls: type, names: Sequence[str] | None = No
         if (names is None or s.name in names) and hasattr(args, s.name):
             picked[s.name] = getattr(args, s.name)
     return picked
+
+
+def resolve_train_args(args: argparse.Namespace) -> TrainConfig:
+    """`train`'s config from its parsed flags: the --config file's keys, the flags over
+    them, presets for what neither gave."""
+    config_file = getattr(args, "config", None)
+    given = read_yaml(config_file) if config_file else {}
+    return resolve_train({**given, **_given(args, TrainConfig)})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -186,9 +226,7 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
     command = COMMANDS[args.command]
     options = build(command.options, _given(args, command.options)).validate()
     if args.command == "train":
-        given = read_yaml(options.config) if options.config else {}
-        cfg = resolve_train({**given, **_given(args, TrainConfig)})
-        api.train(cfg, dry_run=options.dry_run)
+        api.train(resolve_train_args(args), dry_run=options.dry_run)
         return 0
     if command.train_settings:  # bench, scale, plan: a training step's settings
         cfg = build(TrainConfig, _given(args, TrainConfig, command.train_settings)).validate()
@@ -211,10 +249,7 @@ def _slurm(argv: list[str]) -> int:
     add_settings(train_parser, TrainConfig)
     train = train_parser.parse_args(train_args)
     job = build(SlurmOptions, _given(known, SlurmOptions)).validate()
-    config_file = getattr(train, "config", None)
-    given = read_yaml(config_file) if config_file else {}
-    cfg = resolve_train({**given, **_given(train, TrainConfig)})
-    return api.slurm(job, cfg, train_args)
+    return api.slurm(job, resolve_train_args(train), train_args)
 
 
 def _guarded(call: Callable[[], int]) -> int:
@@ -241,8 +276,10 @@ def _guarded(call: Callable[[], int]) -> int:
 
         if is_peer_loss(exc):  # a consequence of another rank's failure, not a cause
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            print(f"paratrain: error: {_where()}lost contact with another rank: {first}",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"paratrain: error: {_where()}lost contact with another rank: {first}",
+                file=sys.stderr,
+            )
             return PEER_LOST
         # not the user's doing: keep the traceback, and say which rank it came from
         import traceback

@@ -18,9 +18,18 @@ from spawn import fit_on_rank, run_distributed
 def test_compressed_gradients_train_to_a_finite_loss(tmp_path, kind):
     # 24 training images: 3 micro-batches of 4 per rank, none of a single image
     data = make_image_folder(tmp_path / "data", classes=3, per_class=10)
-    values = dict(data=str(data), output_dir=str(tmp_path / "runs"), image_size=16,
-                  batch_size=4, workers=0, epochs=1, cache="off", grad_compression=kind,
-                  grad_accum=2, name=kind)  # fmt: skip
+    values = dict(
+        data=str(data),
+        output_dir=str(tmp_path / "runs"),
+        image_size=16,
+        batch_size=4,
+        workers=0,
+        epochs=1,
+        cache="off",
+        grad_compression=kind,
+        grad_accum=2,
+        name=kind,
+    )
     summary = run_distributed(fit_on_rank, 2, values)[0]
     assert summary["world_size"] == 2
     assert math.isfinite(summary["final"]["train_loss"]) and summary["final"]["val_count"] == 6
@@ -109,8 +118,14 @@ def _compiled_steps(rank, world_size, compiled, grad_accum):
     runtime = Runtime(env=detect(os.environ), device=torch.device("cpu"), backend="gloo")
     config = TrainConfig(compile=compiled, grad_accum=grad_accum)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(),
-                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3))  # fmt: skip
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 3),
+    )
     parts = parallelize(model, config, runtime)
     grads = []
     for step in range(2):

@@ -35,9 +35,16 @@ SIZE, CLASSES, BATCH = 64, 5, 16  # per replica
 
 def _config(**overrides) -> TrainConfig:
     return TrainConfig(
-        model="resnet18", image_size=SIZE, precision="32", lr=0.1, lr_scaling="none",
-        seed=3, batch_size=BATCH, memory_format="contiguous", **overrides,  # same kernels everywhere
-    )  # fmt: skip
+        model="resnet18",
+        image_size=SIZE,
+        precision="32",
+        lr=0.1,
+        lr_scaling="none",
+        seed=3,
+        batch_size=BATCH,
+        memory_format="contiguous",
+        **overrides,  # same kernels everywhere
+    )
 
 
 def _data(replicas: int):
@@ -79,8 +86,9 @@ def _reference(replicas: int, chunks: int, whole: bool = False):
 
 
 def _runtime(world: int) -> Runtime:
-    return Runtime(env=detect(os.environ), device=torch.device("cpu"),
-                   backend="gloo" if world > 1 else None)  # fmt: skip
+    return Runtime(
+        env=detect(os.environ), device=torch.device("cpu"), backend="gloo" if world > 1 else None
+    )
 
 
 def _partitioned(rank, world, overrides: dict):
@@ -115,10 +123,17 @@ def _partitioned(rank, world, overrides: dict):
     parts.load_state_dict(start)
     dataset = _eval_loader()
     sampler = ShardedEvalSampler(len(dataset), parts.replica, parts.replicas)
-    result = evaluate(parts, DataLoader(dataset, batch_size=BATCH, sampler=sampler),
-                      torch.device("cpu"), CLASSES)  # fmt: skip
-    return {"state": state, "optimizer": opt_state, "eval": result, "loss": loss, "buffers": buffers,
-            "stages": len(parts) if overrides["strategy"] == "split" else None}  # fmt: skip
+    result = evaluate(
+        parts, DataLoader(dataset, batch_size=BATCH, sampler=sampler), torch.device("cpu"), CLASSES
+    )
+    return {
+        "state": state,
+        "optimizer": opt_state,
+        "eval": result,
+        "loss": loss,
+        "buffers": buffers,
+        "stages": len(parts) if overrides["strategy"] == "split" else None,
+    }
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:

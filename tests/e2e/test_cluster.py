@@ -162,19 +162,42 @@ def test_one_epoch_across_two_network_namespaces(tmp_path, two_hosts):
     procs = []
     for node, (ns, dev, addr) in enumerate(two_hosts):
         agent = [
-            "ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run",
-            "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc-per-node=1",
+            "--rdzv-backend=c10d",
             # both "hosts" have one hostname, which resolves to neither address: say
             # which agent hosts the rendezvous, and the address peers reach this one at
-            f"--rdzv-conf=is_host={int(node == 0)}", f"--local-addr={addr}",
-            f"--rdzv-endpoint={head}:{29400 + os.getpid() % 500}", "--rdzv-id=netns", "-m", "paratrain", "train",
-            "--data", str(data), "--name", "netns", *TRAIN,
-        ]  # fmt: skip
+            f"--rdzv-conf=is_host={int(node == 0)}",
+            f"--local-addr={addr}",
+            f"--rdzv-endpoint={head}:{29400 + os.getpid() % 500}",
+            "--rdzv-id=netns",
+            "-m",
+            "paratrain",
+            "train",
+            "--data",
+            str(data),
+            "--name",
+            "netns",
+            *TRAIN,
+        ]
         env = _env(tmp_path, GLOO_SOCKET_IFNAME=dev)  # gloo's interface in this host
         procs.append(
-            subprocess.Popen(agent, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
-        )  # fmt: skip
+            subprocess.Popen(
+                agent,
+                cwd=tmp_path,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outputs = [p.communicate(timeout=180)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(outputs)
     summary = json.loads((tmp_path / "runs/netns/summary.json").read_text())
@@ -222,16 +245,31 @@ def test_elastic_a_node_leaves_and_the_rest_go_on(tmp_path):
 
     def node(is_host: int, label: str) -> subprocess.Popen:
         command = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2",
-            "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-            "--rdzv-id=elastic", f"--rdzv-conf=is_host={is_host},last_call_timeout=3",
-            "--max-restarts=3", "--monitor-interval=0.5", "-m", "paratrain", "train", *train,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=1:2",
+            "--nproc-per-node=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=elastic",
+            f"--rdzv-conf=is_host={is_host},last_call_timeout=3",
+            "--max-restarts=3",
+            "--monitor-interval=0.5",
+            "-m",
+            "paratrain",
+            "train",
+            *train,
+        ]
         log = open(tmp_path / f"{label}.log", "w")  # noqa: SIM115 - closed with the process
         return subprocess.Popen(
-            command, cwd=tmp_path, env=_env(tmp_path), stdout=log, stderr=subprocess.STDOUT,
+            command,
+            cwd=tmp_path,
+            env=_env(tmp_path),
+            stdout=log,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
-        )  # fmt: skip
+        )
 
     staying = node(1, "staying")  # hosts the rendezvous store
     leaving = node(0, "leaving")

@@ -14,8 +14,18 @@ from imagefolders import make_image_folder
 
 pytestmark = pytest.mark.slow
 
-FAST = ["--model", "resnet18", "--image-size", "16", "--batch-size", "4", "--workers", "0",
-        "--precision", "32"]  # fmt: skip
+FAST = [
+    "--model",
+    "resnet18",
+    "--image-size",
+    "16",
+    "--batch-size",
+    "4",
+    "--workers",
+    "0",
+    "--precision",
+    "32",
+]
 
 
 @pytest.fixture(scope="module")
@@ -25,12 +35,47 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("partition")
     data = make_image_folder(root / "data", classes=3, per_class=12)
     common = ["--data", str(data), *FAST]
-    pipe = run_cli("train", *common, "--strategy", "pipeline", "--nproc", "2",
-                   "--microbatches", "2", "--epochs", "1", "--name", "pipe", cwd=root)  # fmt: skip
-    fsdp = run_cli("train", *common, "--strategy", "fsdp", "--nproc", "2", "--epochs", "2",
-                   "--name", "fsdp", "--resume", "runs/pipe/checkpoints/last.pt", cwd=root)  # fmt: skip
-    single = run_cli("train", *common, "--epochs", "3", "--name", "single",
-                     "--resume", "runs/fsdp/checkpoints/last.pt", cwd=root)  # fmt: skip
+    pipe = run_cli(
+        "train",
+        *common,
+        "--strategy",
+        "pipeline",
+        "--nproc",
+        "2",
+        "--microbatches",
+        "2",
+        "--epochs",
+        "1",
+        "--name",
+        "pipe",
+        cwd=root,
+    )
+    fsdp = run_cli(
+        "train",
+        *common,
+        "--strategy",
+        "fsdp",
+        "--nproc",
+        "2",
+        "--epochs",
+        "2",
+        "--name",
+        "fsdp",
+        "--resume",
+        "runs/pipe/checkpoints/last.pt",
+        cwd=root,
+    )
+    single = run_cli(
+        "train",
+        *common,
+        "--epochs",
+        "3",
+        "--name",
+        "single",
+        "--resume",
+        "runs/fsdp/checkpoints/last.pt",
+        cwd=root,
+    )
     return root, data, pipe, fsdp, single
 
 
@@ -58,8 +103,17 @@ def test_a_partitioned_checkpoint_evaluates_alike_in_one_process(runs, name):
     assert pipe.returncode == 0, pipe.stderr
     assert fsdp.returncode == 0, fsdp.stderr
     row = _metrics(root, name)[-1]
-    done = run_cli("eval", "--checkpoint", f"runs/{name}/checkpoints/last.pt", "--data",
-                   str(data), "--batch-size", "4", "--json", cwd=root)  # fmt: skip
+    done = run_cli(
+        "eval",
+        "--checkpoint",
+        f"runs/{name}/checkpoints/last.pt",
+        "--data",
+        str(data),
+        "--batch-size",
+        "4",
+        "--json",
+        cwd=root,
+    )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["count"] == row["val_count"] == 6
@@ -84,9 +138,21 @@ def test_checkpoints_move_between_pipeline_fsdp_and_one_process(runs):
 
 def test_split_over_cpu_devices_trains(tmp_path):
     data = make_image_folder(tmp_path / "data", classes=3, per_class=12)
-    done = run_cli("train", "--data", str(data), *FAST, "--strategy", "split",
-                   "--devices", "cpu,cpu", "--split-points", "layer3", "--epochs", "1",
-                   cwd=tmp_path)  # fmt: skip
+    done = run_cli(
+        "train",
+        "--data",
+        str(data),
+        *FAST,
+        "--strategy",
+        "split",
+        "--devices",
+        "cpu,cpu",
+        "--split-points",
+        "layer3",
+        "--epochs",
+        "1",
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr
     assert "stage 1 on cpu: layer3.0 .. fc" in done.stdout
 
@@ -99,12 +165,14 @@ def test_split_over_cpu_devices_trains(tmp_path):
         (["--strategy", "pipeline", "--microbatches", "3"], "must divide into --microbatches 3"),
         (["--strategy", "pipeline", "--microbatches", "1"], "1f1b needs at least as many"),
         (["--strategy", "pipeline", "--nproc", "3"], "3 process(es) do not divide into 2 stages"),
-        (["--strategy", "pipeline", "--nproc", "2", "--split-points", "layer9"],
-         "--split-points: 'layer9' does not begin a unit"),
+        (
+            ["--strategy", "pipeline", "--nproc", "2", "--split-points", "layer9"],
+            "--split-points: 'layer9' does not begin a unit",
+        ),
         (["--strategy", "fsdp", "--ema-decay", "0.9"], "--ema-decay works with --strategy ddp"),
         (["--strategy", "fsdp"], "--strategy fsdp shards the model across processes"),
     ],
-)  # fmt: skip
+)
 def test_bad_partitioning_flags_are_one_line(tmp_path, flags, message):
     data = make_image_folder(tmp_path / "data", classes=3, per_class=4)
     done = run_cli("train", "--data", str(data), *FAST, *flags, "--epochs", "1", cwd=tmp_path)

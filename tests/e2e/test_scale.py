@@ -13,16 +13,37 @@ def test_scale_measures_two_processes_fits_the_link_and_predicts(tmp_path, capsy
     from paratrain.cli import main
 
     out = tmp_path / "scaling"
-    argv = ["scale", "--model", "resnet18", "--image-size", "32", "--batch-size", "4",
-            "--precision", "32", "--nproc-max", "2", "--steps", "3", "--warmup", "1",
-            "--max-message-mb", "1", "--max-n", "64", "--out", str(out)]  # fmt: skip
+    argv = [
+        "scale",
+        "--model",
+        "resnet18",
+        "--image-size",
+        "32",
+        "--batch-size",
+        "4",
+        "--precision",
+        "32",
+        "--nproc-max",
+        "2",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--max-message-mb",
+        "1",
+        "--max-n",
+        "64",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     text = capsys.readouterr().out
     report = json.loads((out / "scaling.json").read_text())
 
     measured = {(m["series"], m["n"]): m for m in report["measured"]}
-    assert set(measured) == {(s, n) for s in ("same threads per process", "same total cores")
-                             for n in (1, 2)}  # fmt: skip
+    assert set(measured) == {
+        (s, n) for s in ("same threads per process", "same total cores") for n in (1, 2)
+    }
     assert measured[("same total cores", 1)]["threads"] == 2  # both cores in one process
     assert measured[("same threads per process", 1)]["threads"] == 1
     for m in measured.values():
@@ -64,9 +85,16 @@ def test_launched_runs_get_every_setting_of_the_step():
     from paratrain.config import STEP_SETTINGS as STEP_FIELDS
     from paratrain.config import TrainConfig
 
-    config = TrainConfig(model="resnet34", image_size=48, batch_size=8, precision="32",
-                         memory_format="contiguous", bucket_cap_mb=5.0,
-                         grad_compression="bf16", compile=True)  # fmt: skip
+    config = TrainConfig(
+        model="resnet34",
+        image_size=48,
+        batch_size=8,
+        precision="32",
+        memory_format="contiguous",
+        bucket_cap_mb=5.0,
+        grad_compression="bf16",
+        compile=True,
+    )
     args = build_parser().parse_args(_bench_argv(config, ScaleSettings(), Path("r.json"), True))
     assert args.command == "bench" and args.sweep_bytes == 256 * 2**20
     for name in STEP_FIELDS:

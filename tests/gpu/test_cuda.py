@@ -41,9 +41,17 @@ def test_strategy_dp_trains_over_the_visible_gpus(tmp_path):
 
     data = make_image_folder(tmp_path / "data", classes=3, per_class=12)
     summary = train(
-        TrainConfig(data=str(data), strategy="dp", image_size=32, epochs=1, batch_size=8,
-                    workers=0, output_dir=str(tmp_path / "runs"), name="dp")
-    )  # fmt: skip
+        TrainConfig(
+            data=str(data),
+            strategy="dp",
+            image_size=32,
+            epochs=1,
+            batch_size=8,
+            workers=0,
+            output_dir=str(tmp_path / "runs"),
+            name="dp",
+        )
+    )
     assert summary["world_size"] == 1 and summary["final"]["val_count"] == 9
     state = checkpoint.load(tmp_path / "runs/dp/checkpoints/last.pt")
     assert not any(k.startswith("module.") for k in state["model"])  # saved unwrapped

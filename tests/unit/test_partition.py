@@ -41,11 +41,21 @@ def test_stages_chained_compute_the_model_and_share_its_state_dict(name):
 def test_resnet_units_are_its_blocks():
     traced = partition.trace(torchvision.models.resnet18(num_classes=5))
     assert traced.names == [
-        "conv1", "bn1", "relu", "maxpool",
-        "layer1.0", "layer1.1", "layer2.0", "layer2.1",
-        "layer3.0", "layer3.1", "layer4.0", "layer4.1",
-        "avgpool", "fc",
-    ]  # fmt: skip
+        "conv1",
+        "bn1",
+        "relu",
+        "maxpool",
+        "layer1.0",
+        "layer1.1",
+        "layer2.0",
+        "layer2.1",
+        "layer3.0",
+        "layer3.1",
+        "layer4.0",
+        "layer4.1",
+        "avgpool",
+        "fc",
+    ]
 
 
 def test_vit_units_are_its_encoder_layers():

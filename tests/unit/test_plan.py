@@ -15,9 +15,15 @@ from paratrain.models.registry import create_model
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("16GB", 16 * 2**30), ("16GiB", 16 * 2**30), ("512MB", 512 * 2**20), ("80", 80 * 2**30),
-     ("1.5g", int(1.5 * 2**30)), ("2T", 2 * 2**40)],
-)  # fmt: skip
+    [
+        ("16GB", 16 * 2**30),
+        ("16GiB", 16 * 2**30),
+        ("512MB", 512 * 2**20),
+        ("80", 80 * 2**30),
+        ("1.5g", int(1.5 * 2**30)),
+        ("2T", 2 * 2**40),
+    ],
+)
 def test_device_memory_sizes(text, expected):
     assert memory.parse_size(text) == expected
 
@@ -63,8 +69,12 @@ def test_strategies_divide_memory_as_they_should():
 
 
 def test_recommendation_is_the_fastest_that_fits():
-    rows = [memory.DeviceMemory("ddp", 100, 100, 100, 700), memory.DeviceMemory("fsdp", 25, 25, 25, 700),
-            memory.DeviceMemory("pipeline", 50, 50, 50, 200), memory.DeviceMemory("split", 50, 50, 50, 300)]  # fmt: skip
+    rows = [
+        memory.DeviceMemory("ddp", 100, 100, 100, 700),
+        memory.DeviceMemory("fsdp", 25, 25, 25, 700),
+        memory.DeviceMemory("pipeline", 50, 50, 50, 200),
+        memory.DeviceMemory("split", 50, 50, 50, 300),
+    ]
     assert memory.recommend(rows, 2000, 4)[0] == "ddp"
     assert memory.recommend(rows, 900, 4)[0] == "fsdp"
     assert memory.recommend(rows, 500, 4)[0] == "pipeline"
@@ -75,8 +85,22 @@ def test_recommendation_is_the_fastest_that_fits():
 
 @pytest.mark.slow
 def test_plan_cli_prints_every_strategy_and_json(tmp_path):
-    args = [sys.executable, "-m", "paratrain", "plan", "--model", "resnet18", "--image-size", "32",
-            "--batch-size", "8", "--device-memory", "64MB", "--devices", "2"]  # fmt: skip
+    args = [
+        sys.executable,
+        "-m",
+        "paratrain",
+        "plan",
+        "--model",
+        "resnet18",
+        "--image-size",
+        "32",
+        "--batch-size",
+        "8",
+        "--device-memory",
+        "64MB",
+        "--devices",
+        "2",
+    ]
     text = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert text.returncode == 0, text.stderr
     for strategy in ("ddp", "fsdp", "pipeline", "split"):

@@ -15,9 +15,14 @@ from paratrain.models import small_maps
 @pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
 @pytest.mark.parametrize(
     "cin, cout, size, stride, padding, bias",
-    [(64, 32, 2, 1, 1, False), (32, 64, 4, 2, 1, True), (16, 16, 1, 1, 1, True),
-     (8, 8, 3, 2, 0, False), (8, 4, 4, 3, 1, True)],
-)  # fmt: skip
+    [
+        (64, 32, 2, 1, 1, False),
+        (32, 64, 4, 2, 1, True),
+        (16, 16, 1, 1, 1, True),
+        (8, 8, 3, 2, 0, False),
+        (8, 4, 4, 3, 1, True),
+    ],
+)
 def test_small_map_product_equals_the_convolution(cin, cout, size, stride, padding, bias, fmt):
     """Both column orders: (C, kh, kw) for contiguous weights, (kh, kw, C) for
     channels_last ones (each the order the weight lies in memory)."""
@@ -64,8 +69,9 @@ def test_only_plain_convolutions_change_and_the_state_dict_does_not():
     plain = [m for m in model.modules() if small_maps.eligible(m)]
     assert changed == len(plain) > 0
     assert all(m.groups == 1 and m.kernel_size != (1, 1) for m in plain)
-    assert not any("forward" in vars(m) for m in model.modules() if isinstance(m, nn.Conv2d)
-                   and m.groups > 1)  # fmt: skip
+    assert not any(
+        "forward" in vars(m) for m in model.modules() if isinstance(m, nn.Conv2d) and m.groups > 1
+    )
     assert list(model.state_dict()) == before
     copied = copy.deepcopy(model)  # EMA copies the model: the copy computes with its own weights
     conv = next(m for m in copied.modules() if small_maps.eligible(m))

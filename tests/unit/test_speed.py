@@ -47,9 +47,17 @@ def test_auto_precision_follows_the_cpu_flags():
 )
 def test_precision_modes_train_and_evaluate(image_folder, tmp_path, options):
     summary = train(
-        TrainConfig(data=str(image_folder), image_size=16, epochs=1, batch_size=4, workers=0,
-                    output_dir=str(tmp_path), name="p", **options)
-    )  # fmt: skip
+        TrainConfig(
+            data=str(image_folder),
+            image_size=16,
+            epochs=1,
+            batch_size=4,
+            workers=0,
+            output_dir=str(tmp_path),
+            name="p",
+            **options,
+        )
+    )
     final = summary["final"]
     # (one epoch of 6 steps leaves BatchNorm's running statistics far from the data, so the
     # validation loss itself can overflow; the counts and accuracy are what is checked)
@@ -64,11 +72,21 @@ def _one_step(model, batches, accum, clip=None):
     before = [p.detach().clone() for p in parts.parameters()]
     runtime = Runtime(env=DistEnv(), device=torch.device("cpu"), backend=None)
     cfg = TrainConfig(grad_accum=accum, clip_grad=clip)
-    recipe = Recipe(criterion=nn.CrossEntropyLoss(), precision=Precision("32", runtime.device),
-                    grad_accum=accum, clip_grad=clip)  # fmt: skip
+    recipe = Recipe(
+        criterion=nn.CrossEntropyLoss(),
+        precision=Precision("32", runtime.device),
+        grad_accum=accum,
+        clip_grad=clip,
+    )
     control = StepControl(cfg, runtime, save=None, guard=PreemptionGuard())
-    run = SimpleNamespace(parts=parts, recipe=recipe, optimizer=optimizer, progress=Progress(),
-                          control=control, board=Board(Path("unused"), False, 1))  # fmt: skip
+    run = SimpleNamespace(
+        parts=parts,
+        recipe=recipe,
+        optimizer=optimizer,
+        progress=Progress(),
+        control=control,
+        board=Board(Path("unused"), False, 1),
+    )
     train_step(run, iter(batches), len(batches))
     assert run.progress.global_step == 1
     return [b - p.detach() for b, p in zip(before, parts.parameters(), strict=True)]
@@ -139,9 +157,17 @@ def test_channels_last_trains_and_keeps_the_format(image_folder, tmp_path):
     from paratrain.engine import checkpoint
 
     summary = train(
-        TrainConfig(data=str(image_folder), image_size=16, epochs=1, batch_size=4, workers=0,
-                    output_dir=str(tmp_path), name="cl", memory_format="channels_last")
-    )  # fmt: skip
+        TrainConfig(
+            data=str(image_folder),
+            image_size=16,
+            epochs=1,
+            batch_size=4,
+            workers=0,
+            output_dir=str(tmp_path),
+            name="cl",
+            memory_format="channels_last",
+        )
+    )
     assert math.isfinite(summary["final"]["train_loss"])
     state = checkpoint.load(tmp_path / "cl/checkpoints/last.pt")
     assert state["model"]["conv1.weight"].is_contiguous(memory_format=torch.channels_last)

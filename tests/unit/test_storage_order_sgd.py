@@ -65,8 +65,12 @@ def test_resuming_contiguous_optimizer_state_into_channels_last_weights(name):
         for key, value in entry.items():
             if value.dim() == 4:
                 entry[key] = value.contiguous()
-    assert any(not v.is_contiguous(memory_format=torch.channels_last)
-               for e in saved["state"].values() for v in e.values() if v.dim() == 4)  # fmt: skip
+    assert any(
+        not v.is_contiguous(memory_format=torch.channels_last)
+        for e in saved["state"].values()
+        for v in e.values()
+        if v.dim() == 4
+    )
     model.load_state_dict(reference.state_dict())
     optimizer = build(model.parameters())
     ModelParts([model]).load_optimizer_state_dict(optimizer, saved)

@@ -97,7 +97,7 @@ def estimate(
             slots * trainable,
             int(saved + workspace),
             f"batch {batch} per device",
-        ),  # fmt: skip
+        ),
     ]
     gathered = sum(sorted((_bytes(b) for b in fsdp.blocks(model)), reverse=True)[:2])
     sharded = lambda n: n // devices  # noqa: E731
@@ -110,7 +110,7 @@ def estimate(
             int(saved + workspace),
             f"1/{devices} of each tensor, plus the two largest blocks gathered whole "
             "(one computing, one prefetched)",
-        )  # fmt: skip
+        )
     )
     stages = partition.stage_units(traced, starts)
     for strategy in ("pipeline", "split"):
@@ -123,8 +123,14 @@ def estimate(
             space = max(u.activation_bytes for u in stage) * scale
             if strategy == "pipeline":
                 space /= microbatches
-            row = DeviceMemory(strategy, weights, weights, slots * weights, int(acts + space),
-                               f"stage {index} of {len(stages)} is the largest")  # fmt: skip
+            row = DeviceMemory(
+                strategy,
+                weights,
+                weights,
+                slots * weights,
+                int(acts + space),
+                f"stage {index} of {len(stages)} is the largest",
+            )
             if worst is None or row.total > worst.total:
                 worst = row
         if strategy == "pipeline":
@@ -160,11 +166,18 @@ def _gib(n: float) -> str:
 
 
 def format_plan(
-    rows: list[DeviceMemory], device_memory: int, devices: int, choice: str | None, why: str,
+    rows: list[DeviceMemory],
+    device_memory: int,
+    devices: int,
+    choice: str | None,
+    why: str,
     heading: str,
-) -> str:  # fmt: skip
-    lines = [heading, f"{'strategy':<9} {'params':>9} {'grads':>9} {'optim':>9} "
-             f"{'activ.':>9} {'total':>10}  fits {_gib(device_memory)}"]  # fmt: skip
+) -> str:
+    lines = [
+        heading,
+        f"{'strategy':<9} {'params':>9} {'grads':>9} {'optim':>9} "
+        f"{'activ.':>9} {'total':>10}  fits {_gib(device_memory)}",
+    ]
     for r in rows:
         verdict = "yes" if fits(r, device_memory, devices) else "no"
         if devices < 2 and r.strategy != "ddp":
@@ -218,8 +231,13 @@ def measure_training_peak(
 
     x = torch.randn(batch, 3, image_size, image_size)
     y = torch.randint(0, classes, (batch,))
-    warm = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.AdaptiveAvgPool2d(1),
-                         nn.Flatten(), nn.Linear(4, classes))  # fmt: skip
+    warm = nn.Sequential(
+        nn.Conv2d(3, 4, 3),
+        nn.BatchNorm2d(4),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4, classes),
+    )
     nn.functional.cross_entropy(warm(x), y).backward()  # kernels' own setup: not the model's
     del warm
 

@@ -104,8 +104,12 @@ def _environ(**values: str) -> Iterator[None]:
 
 def _bench_argv(cfg: TrainConfig, opts: ScaleSettings, result_file: Path, sweep: bool) -> list[str]:
     """`paratrain bench` with this step's settings, writing its result to ``result_file``."""
-    bench = BenchOptions(steps=opts.steps, warmup=opts.warmup, result_file=str(result_file),
-                         sweep_bytes=opts.largest_message if sweep else 0)  # fmt: skip
+    bench = BenchOptions(
+        steps=opts.steps,
+        warmup=opts.warmup,
+        result_file=str(result_file),
+        sweep_bytes=opts.largest_message if sweep else 0,
+    )
     return ["bench", *to_argv(cfg, STEP_SETTINGS), *to_argv(bench)]
 
 
@@ -148,9 +152,11 @@ def measure(cfg: TrainConfig, opts: ScaleSettings, say=print):
             if threads == same:
                 backward = result["backward_ms"] / 1000
                 profile = costmodel.StepProfile(
-                    (result["data_ms"] + result["forward_ms"]) / 1000, backward,
-                    result["optimizer_ms"] / 1000, [(f * backward, b) for f, b in order],
-                )  # fmt: skip
+                    (result["data_ms"] + result["forward_ms"]) / 1000,
+                    backward,
+                    result["optimizer_ms"] / 1000,
+                    [(f * backward, b) for f, b in order],
+                )
             rows += [_row(result, threads, series) for series in _series(threads, same, cores)]
     torch.set_num_threads(saved_threads)
     for n in range(2, opts.nproc_max + 1):
@@ -259,26 +265,33 @@ def report(
             "efficiency": {str(n): at[n].efficiency for n in sorted(at)},
         }
     return {
-        "model": cfg.model, "image_size": cfg.image_size, "batch_size": cfg.batch_size,
-        "precision": cfg.precision, "cores": available_cores(), "nproc_max": opts.nproc_max,
+        "model": cfg.model,
+        "image_size": cfg.image_size,
+        "batch_size": cfg.batch_size,
+        "precision": cfg.precision,
+        "cores": available_cores(),
+        "nproc_max": opts.nproc_max,
         "epoch_images": opts.epoch_images,
-        "profile": {"data_forward_ms": 1000 * profile.before_backward_s,
-                    "backward_ms": 1000 * profile.backward_s,
-                    "optimizer_ms": 1000 * profile.after_backward_s,
-                    "gradient_mb": profile.gradient_bytes / 2**20,
-                    "buckets": len(costmodel.ddp_buckets(profile.gradients,
-                                                         cfg.bucket_cap_mb * 2**20))},
+        "profile": {
+            "data_forward_ms": 1000 * profile.before_backward_s,
+            "backward_ms": 1000 * profile.backward_s,
+            "optimizer_ms": 1000 * profile.after_backward_s,
+            "gradient_mb": profile.gradient_bytes / 2**20,
+            "buckets": len(costmodel.ddp_buckets(profile.gradients, cfg.bucket_cap_mb * 2**20)),
+        },
         "measured": [asdict(r) for r in rows],
-        "all_reduce": {"samples": [list(s) for s in samples],
-                       "alpha_us": fit.alpha_s * 1e6 if fit else None,
-                       "beta_gbps": fit.beta_bps / 1e9 if fit else None,
-                       "rms_error_pct": 100 * fit.rms_error if fit else None,
-                       "max_error_pct": 100 * fit.max_error if fit else None},
+        "all_reduce": {
+            "samples": [list(s) for s in samples],
+            "alpha_us": fit.alpha_s * 1e6 if fit else None,
+            "beta_gbps": fit.beta_bps / 1e9 if fit else None,
+            "rms_error_pct": 100 * fit.rms_error if fit else None,
+            "max_error_pct": 100 * fit.max_error if fit else None,
+        },
         "comparison": comparison,
         "network": network.describe(),
         "predicted": [asdict(p) for p in predicted(ns, network)],
         "presets": presets,
-    }  # fmt: skip
+    }
 
 
 def calibration_report(calibration: costmodel.Calibration, max_n: int) -> dict:
@@ -302,7 +315,7 @@ def calibration_report(calibration: costmodel.Calibration, max_n: int) -> dict:
                     "fixed_share": calibration.fixed_share(n),
                 }
                 for (n, t), e in zip(calibration.measured, calibration.errors(), strict=True)
-            ],  # fmt: skip
+            ],
         },
         "predicted": [
             {
@@ -313,7 +326,7 @@ def calibration_report(calibration: costmodel.Calibration, max_n: int) -> dict:
                 "communication_share": calibration.communication_share(n),
             }
             for n in ns
-        ],  # fmt: skip
+        ],
     }
 
 
@@ -323,6 +336,8 @@ def read_epoch_times(path: Path) -> list[tuple[int, float]]:
         text = path.read_text()
     except OSError as exc:
         raise UserError(f"--calibrate {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"--calibrate {path}: not a text file of 'n,seconds' lines") from None
     points = []
     for number, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()

@@ -31,16 +31,28 @@ LINK_PRESETS: dict[str, tuple[float, float, str]] = {
 }
 
 # the settings of a training step that bench and scale time
-STEP_SETTINGS = ("model", "image_size", "batch_size", "device", "precision", "grad_compression",
-                 "bucket_cap_mb", "memory_format", "compile")  # fmt: skip
+STEP_SETTINGS = (
+    "model",
+    "image_size",
+    "batch_size",
+    "device",
+    "precision",
+    "grad_compression",
+    "bucket_cap_mb",
+    "memory_format",
+    "compile",
+)
 BENCH_SETTINGS = (*STEP_SETTINGS, "nproc")
-PLAN_SETTINGS = ("model", "image_size", "batch_size", "opt", "momentum", "microbatches",
-                 "schedule")  # fmt: skip
+PLAN_SETTINGS = ("model", "image_size", "batch_size", "opt", "momentum", "microbatches", "schedule")
 
 
 def _checkpoint() -> str | None:
-    return setting(None, "a paratrain checkpoint (a .pt file, or a sharded checkpoint's folder)",
-                   required=True, metavar="PATH")  # fmt: skip
+    return setting(
+        None,
+        "a paratrain checkpoint (a .pt file, or a sharded checkpoint's folder)",
+        required=True,
+        metavar="PATH",
+    )
 
 
 def _dry_run() -> bool:
@@ -51,22 +63,33 @@ def _dry_run() -> bool:
 class TrainCommand(Options):
     """`paratrain train`: what is not a setting of the run itself."""
 
-    config: str | None = setting(None, "YAML file of settings (a run's config.yaml, say); "
-                                 "flags given here win over it", path="file", metavar="FILE")  # fmt: skip
+    config: str | None = setting(
+        None,
+        "YAML file of settings (a run's config.yaml, say); flags given here win over it",
+        path="file",
+        metavar="FILE",
+    )
     dry_run: bool = _dry_run()
 
 
 @dataclass
 class EvalOptions(Options):
     checkpoint: str | None = _checkpoint()
-    data: str | None = setting(None, "image folder", path="dir", metavar="DIR",
-                               default_text="the checkpoint's")  # fmt: skip
+    data: str | None = setting(
+        None, "image folder", path="dir", metavar="DIR", default_text="the checkpoint's"
+    )
     batch_size: int = setting(64, "images per batch and process", low=1)
-    workers: int | None = setting(None, "loader processes per rank", low=0, high=64,
-                                  default_text="from the cores")  # fmt: skip
+    workers: int | None = setting(
+        None, "loader processes per rank", low=0, high=64, default_text="from the cores"
+    )
     nproc: int = setting(1, "processes to start on this machine", low=1, high=1024)
-    device: str | None = setting(None, DEVICE_TEXT, pattern=DEVICE, pattern_text=DEVICE_TEXT,
-                                 default_text="cuda:LOCAL_RANK where there is CUDA, else cpu")  # fmt: skip
+    device: str | None = setting(
+        None,
+        DEVICE_TEXT,
+        pattern=DEVICE,
+        pattern_text=DEVICE_TEXT,
+        default_text="cuda:LOCAL_RANK where there is CUDA, else cpu",
+    )
     ema: bool = setting(False, "evaluate the EMA weights (trained with --ema-decay)")
     json: bool = setting(False, "print the result as JSON")
     dry_run: bool = _dry_run()
@@ -75,8 +98,9 @@ class EvalOptions(Options):
 @dataclass
 class PredictOptions(Options):
     checkpoint: str | None = _checkpoint()
-    inputs: list = setting([], "image files and/or folders", positional=True, nargs="+",
-                           metavar="INPUT")  # fmt: skip
+    inputs: list = setting(
+        [], "image files and/or folders", positional=True, nargs="+", metavar="INPUT"
+    )
     top_k: int = setting(5, "classes listed per image", low=1)
     batch_size: int = setting(64, "images per batch", low=1)
     csv: str | None = setting(None, "also write the predictions to this CSV file", metavar="FILE")
@@ -88,10 +112,12 @@ class PredictOptions(Options):
 @dataclass
 class ExportOptions(Options):
     checkpoint: str | None = _checkpoint()
-    format: str = setting("pt2", "a torch.export program (.pt2) or safetensors",
-                          choices=("pt2", "safetensors"))  # fmt: skip
-    out: str | None = setting(None, "output file", metavar="FILE",
-                              default_text="<run>/export/model.<format>")  # fmt: skip
+    format: str = setting(
+        "pt2", "a torch.export program (.pt2) or safetensors", choices=("pt2", "safetensors")
+    )
+    out: str | None = setting(
+        None, "output file", metavar="FILE", default_text="<run>/export/model.<format>"
+    )
     ema: bool = setting(False, "export the EMA weights (trained with --ema-decay)")
     dry_run: bool = _dry_run()
 
@@ -120,26 +146,43 @@ class BenchOptions(Options):
 
 @dataclass
 class ScaleOptions(Options):
-    nproc_max: int | None = setting(None, "measure 1..N processes", low=1, high=1024,
-                                    default_text="the number of cores or CUDA devices")  # fmt: skip
-    link: str | None = setting(None, "predict on this link; between nodes when "
-                               "--gpus-per-node is given", choices=tuple(LINK_PRESETS),
-                               default_text="the one fitted here")  # fmt: skip
-    bandwidth: float | None = setting(None, "link bandwidth in GB/s, with --latency", low=0.0,
-                                      low_open=True)  # fmt: skip
-    latency: float | None = setting(None, "link latency in microseconds, with --bandwidth",
-                                    low=0.0)  # fmt: skip
-    gpus_per_node: int | None = setting(None, "hierarchical all-reduce: this many devices per "
-                                        "node on --intra-link", low=1, high=1024)  # fmt: skip
+    nproc_max: int | None = setting(
+        None,
+        "measure 1..N processes",
+        low=1,
+        high=1024,
+        default_text="the number of cores or CUDA devices",
+    )
+    link: str | None = setting(
+        None,
+        "predict on this link; between nodes when --gpus-per-node is given",
+        choices=tuple(LINK_PRESETS),
+        default_text="the one fitted here",
+    )
+    bandwidth: float | None = setting(
+        None, "link bandwidth in GB/s, with --latency", low=0.0, low_open=True
+    )
+    latency: float | None = setting(None, "link latency in microseconds, with --bandwidth", low=0.0)
+    gpus_per_node: int | None = setting(
+        None,
+        "hierarchical all-reduce: this many devices per node on --intra-link",
+        low=1,
+        high=1024,
+    )
     intra_link: str = setting("nvlink4", "the link inside a node", choices=tuple(LINK_PRESETS))
     epoch_images: int = setting(10_000, "images per epoch for the epoch times", low=1)
     max_n: int = setting(1024, "predict up to this N", low=1, high=2**20)
     steps: int = setting(10, "timed steps (median)", low=1, high=100_000)
     warmup: int = setting(3, "untimed steps first", low=0, high=100_000)
-    max_message_mb: float = setting(256.0, "largest all-reduce message timed, in MB", low=0.0,
-                                    low_open=True, high=16384)  # fmt: skip
-    calibrate: str | None = setting(None, "fit your own epoch times (lines n,seconds) instead "
-                                    "of measuring", path="file", metavar="CSV")  # fmt: skip
+    max_message_mb: float = setting(
+        256.0, "largest all-reduce message timed, in MB", low=0.0, low_open=True, high=16384
+    )
+    calibrate: str | None = setting(
+        None,
+        "fit your own epoch times (lines n,seconds) instead of measuring",
+        path="file",
+        metavar="CSV",
+    )
     out: str = setting("scaling", "report folder", metavar="DIR")
     dry_run: bool = _dry_run()
 
@@ -152,9 +195,14 @@ class ScaleOptions(Options):
 
 @dataclass
 class PlanOptions(Options):
-    device_memory: str | None = setting(None, "memory of one device, e.g. 16GB or 80GiB",
-                                        required=True, pattern=SIZE, metavar="SIZE",
-                                        pattern_text="a size such as 16GB, 80GiB or 512MB")  # fmt: skip
+    device_memory: str | None = setting(
+        None,
+        "memory of one device, e.g. 16GB or 80GiB",
+        required=True,
+        pattern=SIZE,
+        metavar="SIZE",
+        pattern_text="a size such as 16GB, 80GiB or 512MB",
+    )
     devices: int = setting(2, "devices to spread the model over", low=1, high=1024)
     classes: int = setting(1000, "outputs of the classifier head", low=1, high=1_000_000)
     json: bool = setting(False, "print the estimate as JSON")
@@ -165,23 +213,41 @@ class PlanOptions(Options):
 class SlurmOptions(Options):
     nodes: int = setting(1, "nodes", low=1, high=100_000)
     gpus_per_node: int = setting(0, "GPUs per node (0: CPU)", low=0, high=1024)
-    procs_per_node: int | None = setting(None, "workers per node", low=1, high=1024,
-                                         default_text="one per GPU, 1 without GPUs")  # fmt: skip
+    procs_per_node: int | None = setting(
+        None, "workers per node", low=1, high=1024, default_text="one per GPU, 1 without GPUs"
+    )
     cpus_per_task: int | None = setting(None, "CPUs of each node's task", low=1, high=100_000)
-    time: str | None = setting(None, "time limit, e.g. 24:00:00 or 2-00:00:00",
-                               pattern=r"(\d+-)?\d+(:\d\d){0,2}",
-                               pattern_text="a SLURM time such as 90, 24:00:00 or 2-00:00:00")  # fmt: skip
-    partition: str | None = setting(None, "SLURM partition", pattern=r"[\w.,-]+",
-                                    pattern_text="a partition name")  # fmt: skip
-    account: str | None = setting(None, "SLURM account", pattern=r"[\w.-]+",
-                                  pattern_text="an account name")  # fmt: skip
-    job_name: str = setting("paratrain", "job name", pattern=r"[\w.-]+",
-                            pattern_text="a job name of letters, digits, '.', '_' and '-'")  # fmt: skip
+    time: str | None = setting(
+        None,
+        "time limit, e.g. 24:00:00 or 2-00:00:00",
+        pattern=r"(\d+-)?\d+(:\d\d){0,2}",
+        pattern_text="a SLURM time such as 90, 24:00:00 or 2-00:00:00",
+    )
+    partition: str | None = setting(
+        None, "SLURM partition", pattern=r"[\w.,-]+", pattern_text="a partition name"
+    )
+    account: str | None = setting(
+        None, "SLURM account", pattern=r"[\w.-]+", pattern_text="an account name"
+    )
+    job_name: str = setting(
+        "paratrain",
+        "job name",
+        pattern=r"[\w.-]+",
+        pattern_text="a job name of letters, digits, '.', '_' and '-'",
+    )
     port: int = setting(29500, "rendezvous port on the first node", low=1, high=65535)
-    max_restarts: int = setting(3, "torchrun restarts after a failure; workers resume from the "
-                                "last checkpoint", low=0, high=1000)  # fmt: skip
-    python: str = setting("python", "the interpreter on the nodes", pattern=r"[^\s'\"]+",
-                          pattern_text="a command without spaces or quotes")  # fmt: skip
+    max_restarts: int = setting(
+        3,
+        "torchrun restarts after a failure; workers resume from the last checkpoint",
+        low=0,
+        high=1000,
+    )
+    python: str = setting(
+        "python",
+        "the interpreter on the nodes",
+        pattern=r"[^\s'\"]+",
+        pattern_text="a command without spaces or quotes",
+    )
 
     @property
     def per_node(self) -> int:
@@ -191,10 +257,20 @@ class SlurmOptions(Options):
 @dataclass
 class CheckOptions(Options):
     nproc: int = setting(2, "processes to test", low=1, high=1024)
-    backend: str | None = setting(None, "process-group backend", choices=("gloo", "nccl"),
-                                  default_text="nccl on CUDA, gloo on CPU")  # fmt: skip
-    device: str | None = setting(None, DEVICE_TEXT, pattern=DEVICE, pattern_text=DEVICE_TEXT,
-                                 default_text="cuda:LOCAL_RANK where there is CUDA")  # fmt: skip
-    timeout: float = setting(120.0, "seconds a collective may wait", low=0.0, low_open=True,
-                             high=MAX_SECONDS)  # fmt: skip
+    backend: str | None = setting(
+        None,
+        "process-group backend",
+        choices=("gloo", "nccl"),
+        default_text="nccl on CUDA, gloo on CPU",
+    )
+    device: str | None = setting(
+        None,
+        DEVICE_TEXT,
+        pattern=DEVICE,
+        pattern_text=DEVICE_TEXT,
+        default_text="cuda:LOCAL_RANK where there is CUDA",
+    )
+    timeout: float = setting(
+        120.0, "seconds a collective may wait", low=0.0, low_open=True, high=MAX_SECONDS
+    )
     dry_run: bool = _dry_run()

@@ -88,9 +88,7 @@ class Setting:
         text = self.rule.help
         if self.rule.default_text:
             return f"{text} (default: {self.rule.default_text})"
-        if self.default not in (None, False, [], "") or (
-            self.kind in (int, float) and self.default is not None
-        ):
+        if self.default is not None and self.default is not False and self.default not in ([], ""):
             return f"{text} (default {self.default})"
         return text
 
@@ -304,8 +302,13 @@ def markdown_table(cls: type, group: str | None = None, names: tuple[str, ...] =
             continue
         if names and s.name not in names:
             continue
-        flag = s.flag if s.kind is bool else f"{s.flag} {_metavar(s)}"
-        default = s.rule.default_text or ("" if s.default in (None, False) else str(s.default))
+        if s.rule.positional:
+            flag = (s.rule.metavar or s.name.upper()) + (" ..." if s.rule.nargs == "+" else "")
+        else:
+            flag = s.flag if s.kind is bool else f"{s.flag} {_metavar(s)}"
+        default = s.rule.default_text or (
+            "" if s.default is None or s.default is False or s.default == [] else str(s.default)
+        )
         cells = [f"`{flag.strip()}`", default, s.rule.help]
         rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(rows)

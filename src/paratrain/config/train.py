@@ -33,143 +33,319 @@ MAX_SECONDS = 30 * 24 * 3600  # a time limit longer than this is a mistake (and 
 @dataclass
 class TrainConfig(Options):
     # data
-    data: str | None = setting(None, "image folder: DIR/<class>/* or DIR/{train,val}/<class>/*",
-                               group="data", path="dir", metavar="DIR",
-                               default_text="the embedded digits set")  # fmt: skip
-    val_fraction: float = setting(0.2, "share of each class held out for validation",
-                                  group="data", low=0.0, high=1.0, low_open=True, high_open=True)  # fmt: skip
+    data: str | None = setting(
+        None,
+        "image folder: DIR/<class>/* or DIR/{train,val}/<class>/*",
+        group="data",
+        path="dir",
+        metavar="DIR",
+        default_text="the embedded digits set",
+    )
+    val_fraction: float = setting(
+        0.2,
+        "share of each class held out for validation",
+        group="data",
+        low=0.0,
+        high=1.0,
+        low_open=True,
+        high_open=True,
+    )
     split_seed: int = setting(0, "seed of the train/val split", group="data", low=0, high=2**32 - 1)
-    image_size: int = setting(224, "training crop size in pixels", group="data", low=8,
-                              high=MAX_IMAGE_SIZE)  # fmt: skip
-    crop_scale_min: float = setting(0.08, "smallest area share of RandomResizedCrop",
-                                    group="data", low=0.0, high=1.0, low_open=True)  # fmt: skip
+    image_size: int = setting(
+        224, "training crop size in pixels", group="data", low=8, high=MAX_IMAGE_SIZE
+    )
+    crop_scale_min: float = setting(
+        0.08,
+        "smallest area share of RandomResizedCrop",
+        group="data",
+        low=0.0,
+        high=1.0,
+        low_open=True,
+    )
     hflip: float = setting(0.5, "horizontal flip probability", group="data", low=0.0, high=1.0)
-    workers: int | None = setting(None, "loader processes per rank", group="data", low=0,
-                                  high=64, default_text="from the cores")  # fmt: skip
-    bad_images: str = setting("error", "unreadable images: list them all and stop, or leave them out",
-                              group="data", choices=("error", "skip"))  # fmt: skip
-    cache: str = setting("auto", "decode every image once into a memory-mapped uint8 cache; "
-                         "auto: on when it fits --cache-max-gb", group="data",
-                         choices=("auto", "on", "off"))  # fmt: skip
-    cache_max_gb: float = setting(4.0, "memory budget of the decoded-image cache in auto mode",
-                                  group="data", low=0.0, low_open=True)  # fmt: skip
-    cache_dir: str | None = setting(None, "where the decoded cache and the embedded data set "
-                                    "are written", group="data", metavar="DIR",
-                                    default_text="~/.cache/paratrain")  # fmt: skip
+    workers: int | None = setting(
+        None,
+        "loader processes per rank",
+        group="data",
+        low=0,
+        high=64,
+        default_text="from the cores",
+    )
+    bad_images: str = setting(
+        "error",
+        "unreadable images: list them all and stop, or leave them out",
+        group="data",
+        choices=("error", "skip"),
+    )
+    cache: str = setting(
+        "auto",
+        "decode every image once into a memory-mapped uint8 cache; "
+        "auto: on when it fits --cache-max-gb",
+        group="data",
+        choices=("auto", "on", "off"),
+    )
+    cache_max_gb: float = setting(
+        4.0,
+        "memory budget of the decoded-image cache in auto mode",
+        group="data",
+        low=0.0,
+        low_open=True,
+    )
+    cache_dir: str | None = setting(
+        None,
+        "where the decoded cache and the embedded data set are written",
+        group="data",
+        metavar="DIR",
+        default_text="~/.cache/paratrain",
+    )
     # model
-    model: str = setting("resnet18", "torchvision model name (see `paratrain models`)",
-                         group="model", pattern=r"[A-Za-z0-9_./-]+",
-                         pattern_text="a model name (see `paratrain models`)")  # fmt: skip
-    weights: str | None = setting(None, "local state dict or paratrain checkpoint to start from",
-                                  group="model", path="file", metavar="FILE")  # fmt: skip
-    weights_strict: bool = setting(False, "any key or shape mismatch in --weights is an error",
-                                   group="model")  # fmt: skip
-    freeze_backbone: bool = setting(False, "train only the classifier head (fc / classifier / "
-                                    "head); use with --weights", group="model")  # fmt: skip
+    model: str = setting(
+        "resnet18",
+        "torchvision model name (see `paratrain models`)",
+        group="model",
+        pattern=r"[A-Za-z0-9_./-]+",
+        pattern_text="a model name (see `paratrain models`)",
+    )
+    weights: str | None = setting(
+        None,
+        "local state dict or paratrain checkpoint to start from",
+        group="model",
+        path="file",
+        metavar="FILE",
+    )
+    weights_strict: bool = setting(
+        False, "any key or shape mismatch in --weights is an error", group="model"
+    )
+    freeze_backbone: bool = setting(
+        False,
+        "train only the classifier head (fc / classifier / head); use with --weights",
+        group="model",
+    )
     # optimisation
     epochs: int = setting(10, "passes over the training images", group="optimisation", low=1)
-    batch_size: int = setting(16, "per process; the global batch is this x world size",
-                              group="optimisation", low=1)  # fmt: skip
-    lr: float = setting(0.01, "peak learning rate for one process (scaled with --lr-scaling)",
-                        group="optimisation", low=0.0, low_open=True)  # fmt: skip
-    lr_scaling: str = setting("linear", "scale lr with the global batch (world size x "
-                              "--grad-accum)", group="optimisation", choices=("linear", "none"))  # fmt: skip
-    lrf: float = setting(0.1, "final lr as a fraction of lr", group="optimisation", low=0.0,
-                         high=1.0)  # fmt: skip
-    momentum: float = setting(0.9, "SGD momentum", group="optimisation", low=0.0, high=1.0,
-                              high_open=True)  # fmt: skip
-    weight_decay: float = setting(0.005, "L2 penalty (decoupled for adamw)",
-                                  group="optimisation", low=0.0)  # fmt: skip
+    batch_size: int = setting(
+        16, "per process; the global batch is this x world size", group="optimisation", low=1
+    )
+    lr: float = setting(
+        0.01,
+        "peak learning rate for one process (scaled with --lr-scaling)",
+        group="optimisation",
+        low=0.0,
+        low_open=True,
+    )
+    lr_scaling: str = setting(
+        "linear",
+        "scale lr with the global batch (world size x --grad-accum)",
+        group="optimisation",
+        choices=("linear", "none"),
+    )
+    lrf: float = setting(
+        0.1, "final lr as a fraction of lr", group="optimisation", low=0.0, high=1.0
+    )
+    momentum: float = setting(
+        0.9, "SGD momentum", group="optimisation", low=0.0, high=1.0, high_open=True
+    )
+    weight_decay: float = setting(
+        0.005, "L2 penalty (decoupled for adamw)", group="optimisation", low=0.0
+    )
     warmup_epochs: int = setting(0, "linear warm-up epochs", group="optimisation", low=0)
-    seed: int = setting(0, "seed of weights and sampling", group="optimisation", low=0,
-                        high=2**32 - 1)  # fmt: skip
+    seed: int = setting(
+        0, "seed of weights and sampling", group="optimisation", low=0, high=2**32 - 1
+    )
     # recipe
-    opt: str = setting("sgd", "optimizer; adamw brings lr 0.001 and weight decay 0.05 unless "
-                       "given", group="recipe", choices=("sgd", "adamw"))  # fmt: skip
-    label_smoothing: float = setting(0.0, "cross-entropy label smoothing", group="recipe",
-                                     low=0.0, high=1.0, high_open=True)  # fmt: skip
-    ema_decay: float | None = setting(None, "keep an exponential moving average of the "
-                                      "weights with this decay (e.g. 0.999), evaluated every "
-                                      "epoch and saved beside the raw weights", group="recipe",
-                                      low=0.0, high=1.0, low_open=True, high_open=True)  # fmt: skip
+    opt: str = setting(
+        "sgd",
+        "optimizer; adamw brings lr 0.001 and weight decay 0.05 unless given",
+        group="recipe",
+        choices=("sgd", "adamw"),
+    )
+    label_smoothing: float = setting(
+        0.0, "cross-entropy label smoothing", group="recipe", low=0.0, high=1.0, high_open=True
+    )
+    ema_decay: float | None = setting(
+        None,
+        "keep an exponential moving average of the "
+        "weights with this decay (e.g. 0.999), evaluated every "
+        "epoch and saved beside the raw weights",
+        group="recipe",
+        low=0.0,
+        high=1.0,
+        low_open=True,
+        high_open=True,
+    )
     mixup: float = setting(0.0, "MixUp Beta alpha, e.g. 0.2 (0: off)", group="recipe", low=0.0)
     cutmix: float = setting(0.0, "CutMix Beta alpha, e.g. 1.0 (0: off)", group="recipe", low=0.0)
     # speed
-    precision: str = setting("auto", "auto: bf16 autocast where the device computes bf16 "
-                             "natively (CUDA with bf16, CPUs with AVX512-BF16/AMX), else fp32; "
-                             "16-mixed: fp16 with a GradScaler, CUDA only", group="speed",
-                             choices=("auto", "32", "bf16-mixed", "16-mixed"))  # fmt: skip
-    grad_accum: int = setting(1, "micro-batches per optimizer step; the global batch and the "
-                              "lr scaling count them", group="speed", low=1)  # fmt: skip
-    clip_grad: float | None = setting(None, "clip the total gradient norm to this value",
-                                      group="speed", low=0.0, low_open=True)  # fmt: skip
-    grad_compression: str = setting("none", "compress gradients for communication with a DDP "
-                                    "hook (powersgd needs nccl)", group="speed",
-                                    choices=("none", "fp16", "bf16", "powersgd"))  # fmt: skip
-    bucket_cap_mb: float = setting(25.0, "DDP gradient bucket size in MB", group="speed",
-                                   low=0.0, low_open=True)  # fmt: skip
-    memory_format: str = setting("auto", "auto: channels_last for convolutional models",
-                                 group="speed", choices=("auto", "channels_last", "contiguous"))  # fmt: skip
-    compile: bool = setting(False, "torch.compile the model (around DDP, so its graphs split at "
-                            "the gradient buckets); the first steps compile", group="speed")  # fmt: skip
+    precision: str = setting(
+        "auto",
+        "auto: bf16 autocast where the device computes bf16 "
+        "natively (CUDA with bf16, CPUs with AVX512-BF16/AMX), else fp32; "
+        "16-mixed: fp16 with a GradScaler, CUDA only",
+        group="speed",
+        choices=("auto", "32", "bf16-mixed", "16-mixed"),
+    )
+    grad_accum: int = setting(
+        1,
+        "micro-batches per optimizer step; the global batch and the lr scaling count them",
+        group="speed",
+        low=1,
+    )
+    clip_grad: float | None = setting(
+        None, "clip the total gradient norm to this value", group="speed", low=0.0, low_open=True
+    )
+    grad_compression: str = setting(
+        "none",
+        "compress gradients for communication with a DDP hook (powersgd needs nccl)",
+        group="speed",
+        choices=("none", "fp16", "bf16", "powersgd"),
+    )
+    bucket_cap_mb: float = setting(
+        25.0, "DDP gradient bucket size in MB", group="speed", low=0.0, low_open=True
+    )
+    memory_format: str = setting(
+        "auto",
+        "auto: channels_last for convolutional models",
+        group="speed",
+        choices=("auto", "channels_last", "contiguous"),
+    )
+    compile: bool = setting(
+        False,
+        "torch.compile the model (around DDP, so its graphs split at "
+        "the gradient buckets); the first steps compile",
+        group="speed",
+    )
     # parallelism
     nproc: int = setting(1, "processes to start on this machine", group="parallelism", low=1)
-    strategy: str = setting("ddp", "ddp: DistributedDataParallel, one process per device; dp: "
-                            "legacy DataParallel, one process over every visible GPU; fsdp: "
-                            "parameters, gradients and optimizer state sharded across "
-                            "processes (FSDP2); split: the model's stages on --devices in one "
-                            "process; pipeline: --stages processes per model, micro-batches "
-                            "pipelined", group="parallelism", choices=STRATEGY_NAMES)  # fmt: skip
-    devices: str | None = setting(None, "split: comma-separated devices, one stage each "
-                                  "(cuda:0,cuda:1 or cpu,cpu)", group="parallelism")  # fmt: skip
+    strategy: str = setting(
+        "ddp",
+        "ddp: DistributedDataParallel, one process per device; dp: "
+        "legacy DataParallel, one process over every visible GPU; fsdp: "
+        "parameters, gradients and optimizer state sharded across "
+        "processes (FSDP2); split: the model's stages on --devices in one "
+        "process; pipeline: --stages processes per model, micro-batches "
+        "pipelined",
+        group="parallelism",
+        choices=STRATEGY_NAMES,
+    )
+    devices: str | None = setting(
+        None,
+        "split: comma-separated devices, one stage each (cuda:0,cuda:1 or cpu,cpu)",
+        group="parallelism",
+    )
     stages: int = setting(2, "pipeline: stages per model", group="parallelism", low=2, high=1024)
-    microbatches: int = setting(4, "pipeline: micro-batches per batch (must divide --batch-size)",
-                                group="parallelism", low=1)  # fmt: skip
-    schedule: str = setting("1f1b", "pipeline schedule", group="parallelism",
-                            choices=("gpipe", "1f1b"))  # fmt: skip
-    split_points: str | None = setting(None, "split, pipeline: comma-separated units where "
-                                       "stages 2.. begin (e.g. layer3,layer4)", group="parallelism",
-                                       default_text="balanced from measured time")  # fmt: skip
-    sync_bn: bool = setting(False, "synchronise BatchNorm statistics across processes",
-                            group="parallelism")  # fmt: skip
-    backend: str | None = setting(None, "process-group backend", group="parallelism",
-                                  choices=("gloo", "nccl"),
-                                  default_text="nccl on CUDA, gloo on CPU")  # fmt: skip
-    device: str | None = setting(None, "cpu, cuda or cuda:N", group="parallelism",
-                                 pattern=DEVICE, pattern_text=DEVICE_TEXT,
-                                 default_text="cuda:LOCAL_RANK where there is CUDA")  # fmt: skip
-    timeout: float = setting(600.0, "seconds a collective may wait", group="parallelism",
-                             low=0.0, low_open=True, high=MAX_SECONDS)  # fmt: skip
-    max_restarts: int = setting(0, "with --nproc: restart all workers this often after a "
-                                "failure; they resume from the last checkpoint",
-                                group="parallelism", low=0, high=1000)  # fmt: skip
-    master_port: int | None = setting(None, "with --nproc: the rendezvous port",
-                                      group="parallelism", low=1, high=65535,
-                                      default_text="a free one")  # fmt: skip
+    microbatches: int = setting(
+        4,
+        "pipeline: micro-batches per batch (must divide --batch-size)",
+        group="parallelism",
+        low=1,
+    )
+    schedule: str = setting(
+        "1f1b", "pipeline schedule", group="parallelism", choices=("gpipe", "1f1b")
+    )
+    split_points: str | None = setting(
+        None,
+        "split, pipeline: comma-separated units where stages 2.. begin (e.g. layer3,layer4)",
+        group="parallelism",
+        default_text="balanced from measured time",
+    )
+    sync_bn: bool = setting(
+        False, "synchronise BatchNorm statistics across processes", group="parallelism"
+    )
+    backend: str | None = setting(
+        None,
+        "process-group backend",
+        group="parallelism",
+        choices=("gloo", "nccl"),
+        default_text="nccl on CUDA, gloo on CPU",
+    )
+    device: str | None = setting(
+        None,
+        "cpu, cuda or cuda:N",
+        group="parallelism",
+        pattern=DEVICE,
+        pattern_text=DEVICE_TEXT,
+        default_text="cuda:LOCAL_RANK where there is CUDA",
+    )
+    timeout: float = setting(
+        600.0,
+        "seconds a collective may wait",
+        group="parallelism",
+        low=0.0,
+        low_open=True,
+        high=MAX_SECONDS,
+    )
+    max_restarts: int = setting(
+        0,
+        "with --nproc: restart all workers this often after a "
+        "failure; they resume from the last checkpoint",
+        group="parallelism",
+        low=0,
+        high=1000,
+    )
+    master_port: int | None = setting(
+        None,
+        "with --nproc: the rendezvous port",
+        group="parallelism",
+        low=1,
+        high=65535,
+        default_text="a free one",
+    )
     # failures and checkpoints
     keep: int = setting(0, "also keep the newest K epoch checkpoints", group="checkpoints", low=0)
-    save_every_steps: int = setting(0, "also save last.pt every N steps (0: at the end of "
-                                    "epochs only)", group="checkpoints", low=0)  # fmt: skip
-    deterministic: bool = setting(False, "deterministic algorithms: a resumed run ends bit for "
-                                  "bit like an uninterrupted one on CPU", group="checkpoints")  # fmt: skip
-    on_nonfinite: str = setting("abort", "a NaN/inf loss on any rank: stop every rank, or skip "
-                                "the step on every rank", group="checkpoints",
-                                choices=("abort", "skip"))  # fmt: skip
-    requeue: bool = setting(False, "under SLURM: after saving on SIGUSR1/SIGTERM, requeue the "
-                            "job (scontrol requeue)", group="checkpoints")  # fmt: skip
-    preempt_grace: float = setting(20.0, "seconds a rank may take to reach a step boundary "
-                                   "after SIGTERM/SIGUSR1 before it exits anyway",
-                                   group="checkpoints", low=0.0, low_open=True, high=3600)  # fmt: skip
+    save_every_steps: int = setting(
+        0,
+        "also save last.pt every N steps (0: at the end of epochs only)",
+        group="checkpoints",
+        low=0,
+    )
+    deterministic: bool = setting(
+        False,
+        "deterministic algorithms: a resumed run ends bit for bit like an uninterrupted one on CPU",
+        group="checkpoints",
+    )
+    on_nonfinite: str = setting(
+        "abort",
+        "a NaN/inf loss on any rank: stop every rank, or skip the step on every rank",
+        group="checkpoints",
+        choices=("abort", "skip"),
+    )
+    requeue: bool = setting(
+        False,
+        "under SLURM: after saving on SIGUSR1/SIGTERM, requeue the job (scontrol requeue)",
+        group="checkpoints",
+    )
+    preempt_grace: float = setting(
+        20.0,
+        "seconds a rank may take to reach a step boundary "
+        "after SIGTERM/SIGUSR1 before it exits anyway",
+        group="checkpoints",
+        low=0.0,
+        low_open=True,
+        high=3600,
+    )
     # output
     output_dir: str = setting("runs", "parent of run directories", group="output", metavar="DIR")
-    name: str | None = setting(None, "run directory name", group="output", pattern=RUN_NAME,
-                               pattern_text="a folder name (no path separators)",
-                               default_text="a timestamp")  # fmt: skip
-    resume: str | None = setting(None, "checkpoint path, or auto for the newest in the run "
-                                 "directory", group="output", path="file", auto=True,
-                                 metavar="PATH|auto")  # fmt: skip
-    tensorboard: bool = setting(False, "also write TensorBoard scalars to <run>/tensorboard "
-                                "(needs the tensorboard package)", group="output")  # fmt: skip
+    name: str | None = setting(
+        None,
+        "run directory name",
+        group="output",
+        pattern=RUN_NAME,
+        pattern_text="a folder name (no path separators)",
+        default_text="a timestamp",
+    )
+    resume: str | None = setting(
+        None,
+        "checkpoint path, or auto for the newest in the run directory",
+        group="output",
+        path="file",
+        auto=True,
+        metavar="PATH|auto",
+    )
+    tensorboard: bool = setting(
+        False,
+        "also write TensorBoard scalars to <run>/tensorboard (needs the tensorboard package)",
+        group="output",
+    )
 
     def check_paths(self) -> None:
         """The files and folders named (data, weights, resume) are there."""
@@ -287,7 +463,7 @@ PRESETS = (
             "crop_scale_min": 0.7,
             "hflip": 0.0,
             "warmup_epochs": 1,
-        },  # fmt: skip
+        },
         "no --data: the embedded digits set",
     ),
     # What AdamW is usually run with (timm's and torchvision's ViT recipes are close):
@@ -297,7 +473,7 @@ PRESETS = (
         lambda v: v.get("opt") == "adamw",
         {"lr": 0.001, "weight_decay": 0.05},
         "--opt adamw",
-    ),  # fmt: skip
+    ),
 )
 
 

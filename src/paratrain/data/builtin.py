@@ -25,6 +25,15 @@ def default_cache_dir() -> Path:
     return Path(base)
 
 
+def digits_dir(cache_dir: str | Path | None = None) -> Path:
+    """Where the digits image folder is (or will be) written."""
+    return (Path(cache_dir) if cache_dir else default_cache_dir()) / DIGITS_DIRNAME
+
+
+def digits_ready(cache_dir: str | Path | None = None) -> bool:
+    return (digits_dir(cache_dir) / "COMPLETE").exists()
+
+
 def ensure_digits(cache_dir: str | Path | None = None) -> Path:
     """Return the digits image folder, writing it first if it is not there yet.
 

@@ -148,8 +148,9 @@ class StepControl:
     def _exchange(self, bad: torch.Tensor, first: torch.Tensor) -> tuple[int, int, bool]:
         """One collective: how many ranks saw a non-finite loss, the first step one was
         seen at, whether any rank was asked to stop."""
-        mine = torch.stack([bad.clamp(max=1), first, torch.tensor(int(self.guard.signum > 0))
-                            .to(bad.device)]).to(comm.comm_device())  # fmt: skip
+        mine = torch.stack(
+            [bad.clamp(max=1), first, torch.tensor(int(self.guard.signum > 0)).to(bad.device)]
+        ).to(comm.comm_device())
         if comm.is_dist():
             every = [torch.empty_like(mine) for _ in range(comm.world_size())]
             dist.all_gather(every, mine)

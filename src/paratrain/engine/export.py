@@ -13,9 +13,6 @@ from pathlib import Path
 import torch
 
 from paratrain.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_resize
-from paratrain.errors import UserError
-
-FORMATS = ("pt2", "safetensors")
 
 
 def default_output(checkpoint_path: str, fmt: str, ema: bool) -> Path:
@@ -31,11 +28,10 @@ def default_output(checkpoint_path: str, fmt: str, ema: bool) -> Path:
 def export(
     checkpoint_path: str, fmt: str, out: str | None = None, ema: bool = False
 ) -> dict[str, str]:
-    """Write the export and class_indices.json; return their paths."""
+    """Write the export and class_indices.json; return their paths. ``fmt``: pt2 or
+    safetensors (checked with the command's options)."""
     from paratrain.engine.predict import load_for_inference
 
-    if fmt not in FORMATS:
-        raise UserError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     model, config, classes = load_for_inference(checkpoint_path, torch.device("cpu"), ema)
     target = Path(out) if out else default_output(checkpoint_path, fmt, ema)
     target.parent.mkdir(parents=True, exist_ok=True)

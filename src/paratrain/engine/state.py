@@ -46,7 +46,7 @@ def rng_state() -> dict[str, Any]:
             "pos": int(pos),
             "has_gauss": int(has_gauss),
             "cached": float(cached),
-        },  # fmt: skip
+        },
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
     }

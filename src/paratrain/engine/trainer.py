@@ -31,8 +31,9 @@ from paratrain.engine.preempt import PreemptionGuard
 from paratrain.engine.recipe import Recipe, build_optimizer, build_recipe
 from paratrain.engine.schedule import build_scheduler, describe_schedule, peak_lr
 from paratrain.engine.state import Progress
+from paratrain.errors import AgreedUserError, UserError
 from paratrain.log import get_logger
-from paratrain.models.registry import build_model
+from paratrain.models.registry import build_model, check_input_size
 from paratrain.parallel import ModelParts, parallelize
 from paratrain.report.metrics import MetricsWriter, format_epoch
 from paratrain.report.plots import plot_curves
@@ -75,8 +76,9 @@ def fit(cfg: TrainConfig, runtime: Runtime) -> dict:
             epoch_start = time.perf_counter()
             train_seconds = train_epoch(run, epoch)
             result, averaged = validate(run)
-            record_epoch(run, epoch, time.perf_counter() - epoch_start, train_seconds,
-                         result, averaged)  # fmt: skip
+            record_epoch(
+                run, epoch, time.perf_counter() - epoch_start, train_seconds, result, averaged
+            )
     comm.barrier()
     seconds = time.perf_counter() - started
     return summarise(cfg, run.run_dir, run.metrics, runtime, seconds, run.progress.skipped_steps)
@@ -88,6 +90,10 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
     split = build_split(cfg.data, cfg.val_fraction, cfg.split_seed)
+    try:  # before any file is written or image decoded; the same answer on every rank
+        check_input_size(cfg.model, cfg.image_size)
+    except UserError as exc:
+        raise AgreedUserError(str(exc)) from None
     run_dir, resume_from = comm.broadcast_object(resolve_run(cfg) if runtime.is_main else None)
     cache, split = prepare_data(cfg, split, runtime, run_dir)
     classes = len(split.classes)
@@ -101,22 +107,50 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
     if resume_from is not None:
         progress = resume(resume_from, cfg, runtime, parts, optimizer, scheduler, recipe)
     progress.totals = progress.totals.to(parts.output_device)  # summed where computed
-    loaders = make_loaders(cfg, split, runtime, cache, parts.replica, parts.replicas,
-                           parts.fixed_batch)  # fmt: skip
+    loaders = make_loaders(
+        cfg, split, runtime, cache, parts.replica, parts.replicas, parts.fixed_batch
+    )
     saver = Checkpointer(cfg, run_dir, runtime, parts, optimizer, scheduler, split.classes, recipe)
-    control = StepControl(cfg, runtime, saver.save, PreemptionGuard(cfg.preempt_grace),
-                          sync_free=_sync_free(cfg, runtime, optimizer, recipe))  # fmt: skip
+    control = StepControl(
+        cfg,
+        runtime,
+        saver.save,
+        PreemptionGuard(cfg.preempt_grace),
+        sync_free=_sync_free(cfg, runtime, optimizer, recipe),
+    )
     metrics = MetricsWriter(run_dir)
     if runtime.is_main:
         write_run_files(cfg, split, run_dir)
         metrics.drop_after(progress.epoch)
-        announce(cfg, split, run_dir, runtime, workers=loaders.workers, cached=loaders.cached,
-                 replicas=parts.replicas, global_batch=samples_per_step(cfg, parts.replicas),
-                 schedule=describe_schedule(peak_lr(cfg, parts.replicas), cfg),
-                 precision=recipe.precision.mode)  # fmt: skip
+        announce(
+            cfg,
+            split,
+            run_dir,
+            runtime,
+            workers=loaders.workers,
+            cached=loaders.cached,
+            replicas=parts.replicas,
+            global_batch=samples_per_step(cfg, parts.replicas),
+            schedule=describe_schedule(peak_lr(cfg, parts.replicas), cfg),
+            precision=recipe.precision.mode,
+        )
     board = Board(run_dir, cfg.tensorboard and runtime.is_main, runtime.world_size)
-    return Run(cfg, runtime, split, run_dir, parts, optimizer, scheduler, recipe, loaders,
-               progress, saver, control, metrics, board)  # fmt: skip
+    return Run(
+        cfg,
+        runtime,
+        split,
+        run_dir,
+        parts,
+        optimizer,
+        scheduler,
+        recipe,
+        loaders,
+        progress,
+        saver,
+        control,
+        metrics,
+        board,
+    )
 
 
 def _sync_free(cfg: TrainConfig, runtime: Runtime, optimizer, recipe: Recipe) -> bool:
@@ -179,8 +213,13 @@ def train_step(run: Run, micro_batches: Iterator, count: int) -> int:
         images_seen += labels.numel()
         if logits is not None:  # a pipeline's last stage alone has them
             correct = (logits.argmax(1) == labels).sum()
-            step += torch.stack([loss.double() * labels.numel(), correct.double(),
-                                 torch.tensor(float(labels.numel()), device=step.device)])  # fmt: skip
+            step += torch.stack(
+                [
+                    loss.double() * labels.numel(),
+                    correct.double(),
+                    torch.tensor(float(labels.numel()), device=step.device),
+                ]
+            )
     parts.after_backward()
     skipped = run.control.judge(step[0], progress)
     if skipped is not True:

@@ -30,8 +30,12 @@ def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> ModelParts:
     the first backward, measured here."""
     fmt = memory_format_for(model, cfg.memory_format, runtime.device)
     model = model.to(runtime.device, memory_format=fmt)
-    placed = dict(devices=[runtime.device], replicas=runtime.world_size, replica=runtime.rank,
-                  memory_format=fmt)  # fmt: skip
+    placed = dict(
+        devices=[runtime.device],
+        replicas=runtime.world_size,
+        replica=runtime.rank,
+        memory_format=fmt,
+    )
     if runtime.world_size == 1:
         return ModelParts([model], **placed)
     device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None

@@ -166,8 +166,10 @@ def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> PipelineParts
             slots = partition.optimizer_slots(cfg.opt, cfg.momentum)
             limit = partition.device_memory(runtime.device)
             starts = partition.choose_starts(traced, stages, cfg.batch_size, slots, limit)
-        where = [f"rank {s}" + (f" (and {replicas - 1} replica(s))" if replicas > 1 else "")
-                 for s in range(stages)]  # fmt: skip
+        where = [
+            f"rank {s}" + (f" (and {replicas - 1} replica(s))" if replicas > 1 else "")
+            for s in range(stages)
+        ]
         plans = partition.describe(traced, starts)
         get_logger().info(partition.format_plan(plans, where, max(2, micro)))
     starts = comm.broadcast_object(starts)

@@ -45,10 +45,14 @@ def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> ModelParts:
     sample = partition.sample_images(cfg.image_size, cfg.batch_size, memory_format)
     limits = [partition.device_memory(device) for device in devices]
     traced, starts = partition.plan_stages(
-        model, len(devices), sample, cfg.split_point_list(), model_name=cfg.model,
+        model,
+        len(devices),
+        sample,
+        cfg.split_point_list(),
+        model_name=cfg.model,
         slots=partition.optimizer_slots(cfg.opt, cfg.momentum),
         limit=min(limits) if None not in limits else None,
-    )  # fmt: skip
+    )
     get_logger().info(
         partition.format_plan(
             partition.describe(traced, starts), [str(d) for d in devices], len(sample)

@@ -9,8 +9,18 @@ from pathlib import Path
 
 from paratrain.report.plots import _pyplot
 
-CSV_COLUMNS = ("source", "n", "threads", "step_ms", "communication_ms", "images_per_s",
-               "speedup", "efficiency", "epoch_s", "communication_share")  # fmt: skip
+CSV_COLUMNS = (
+    "source",
+    "n",
+    "threads",
+    "step_ms",
+    "communication_ms",
+    "images_per_s",
+    "speedup",
+    "efficiency",
+    "epoch_s",
+    "communication_share",
+)
 
 
 def _table(header: list[str], rows: list[list[str]], indent: str = "  ") -> list[str]:
@@ -34,9 +44,19 @@ def format_measured(report: dict) -> str:
     lines.append("measured:")
     lines += _table(
         ["series", "N", "threads", "step ms", "images/s", "speedup", "efficiency"],
-        [[m["series"], m["n"], m["threads"], f"{m['step_ms']:.1f}", f"{m['images_per_s']:.1f}",
-          f"{m['speedup']:.2f}x", _pct(m["efficiency"])] for m in report["measured"]],
-    )  # fmt: skip
+        [
+            [
+                m["series"],
+                m["n"],
+                m["threads"],
+                f"{m['step_ms']:.1f}",
+                f"{m['images_per_s']:.1f}",
+                f"{m['speedup']:.2f}x",
+                _pct(m["efficiency"]),
+            ]
+            for m in report["measured"]
+        ],
+    )
     ar = report["all_reduce"]
     if ar["alpha_us"] is not None:
         lines.append(
@@ -57,14 +77,30 @@ def format_measured(report: dict) -> str:
             "compute, its no_sync step, + the modelled all-reduce on the link fitted here):"
         )
         lines += _table(
-            ["N", "measured ms", "compute ms", "all-reduce ms", "exposed ms", "predicted ms",
-             "error", "from 1 process alone"],
-            [[c["n"], f"{c['measured_ms']:.1f}", f"{c['compute_ms']:.1f}",
-              f"{c['communication_ms']:.1f}", f"{c['exposed_ms']:.1f}",
-              f"{c['predicted_ms']:.1f}", f"{c['error_pct']:+.1f}%",
-              f"{c['from_one_process_ms']:.1f} ({c['from_one_process_error_pct']:+.1f}%)"]
-             for c in report["comparison"]],
-        )  # fmt: skip
+            [
+                "N",
+                "measured ms",
+                "compute ms",
+                "all-reduce ms",
+                "exposed ms",
+                "predicted ms",
+                "error",
+                "from 1 process alone",
+            ],
+            [
+                [
+                    c["n"],
+                    f"{c['measured_ms']:.1f}",
+                    f"{c['compute_ms']:.1f}",
+                    f"{c['communication_ms']:.1f}",
+                    f"{c['exposed_ms']:.1f}",
+                    f"{c['predicted_ms']:.1f}",
+                    f"{c['error_pct']:+.1f}%",
+                    f"{c['from_one_process_ms']:.1f} ({c['from_one_process_error_pct']:+.1f}%)",
+                ]
+                for c in report["comparison"]
+            ],
+        )
         lines.append(
             "  (from 1 process alone: one process's compute, as a device would keep it; "
             "the gap is what processes sharing these cores cost each other)"
@@ -73,21 +109,46 @@ def format_measured(report: dict) -> str:
         f"predicted, {report['network']} (each device computing as one process alone here):"
     )
     lines += _table(
-        ["N", "step ms", "all-reduce ms", "exposed ms", "images/s", "speedup", "efficiency",
-         f"epoch s ({report['epoch_images']} img)"],
-        [[r["n"], f"{1000 * r['step_s']:.1f}", f"{1000 * r['communication_s']:.1f}",
-          f"{1000 * r['exposed_s']:.1f}", f"{r['images_per_s']:.0f}", f"{r['speedup']:.1f}x",
-          _pct(r["efficiency"]), f"{r['epoch_s']:.2f}"] for r in report["predicted"]],
-    )  # fmt: skip
+        [
+            "N",
+            "step ms",
+            "all-reduce ms",
+            "exposed ms",
+            "images/s",
+            "speedup",
+            "efficiency",
+            f"epoch s ({report['epoch_images']} img)",
+        ],
+        [
+            [
+                r["n"],
+                f"{1000 * r['step_s']:.1f}",
+                f"{1000 * r['communication_s']:.1f}",
+                f"{1000 * r['exposed_s']:.1f}",
+                f"{r['images_per_s']:.0f}",
+                f"{r['speedup']:.1f}x",
+                _pct(r["efficiency"]),
+                f"{r['epoch_s']:.2f}",
+            ]
+            for r in report["predicted"]
+        ],
+    )
     first = next(iter(report["presets"].values()))
     at = list(first["efficiency"])
     lines.append(f"efficiency by link preset, at N = {', '.join(at)} (this step's compute time):")
     lines += _table(
         ["preset", "GB/s", "latency us", *[f"N={n}" for n in at], "assumes"],
-        [[name, f"{v['bandwidth_gbps']:g}", f"{v['latency_us']:g}",
-          *[_pct(v["efficiency"][n]) for n in at], v["note"]]
-         for name, v in report["presets"].items()],
-    )  # fmt: skip
+        [
+            [
+                name,
+                f"{v['bandwidth_gbps']:g}",
+                f"{v['latency_us']:g}",
+                *[_pct(v["efficiency"][n]) for n in at],
+                v["note"],
+            ]
+            for name, v in report["presets"].items()
+        ],
+    )
     return "\n".join(lines)
 
 
@@ -100,9 +161,18 @@ def format_calibration(report: dict, source: str) -> str:
     ]
     lines += _table(
         ["N", "measured s", "fitted s", "error", "communication", "fixed cost"],
-        [[p["n"], f"{p['measured_s']:.3g}", f"{p['fitted_s']:.3g}", f"{p['error_pct']:+.1f}%",
-          _pct(p["communication_share"]), _pct(p["fixed_share"])] for p in c["points"]],
-    )  # fmt: skip
+        [
+            [
+                p["n"],
+                f"{p['measured_s']:.3g}",
+                f"{p['fitted_s']:.3g}",
+                f"{p['error_pct']:+.1f}%",
+                _pct(p["communication_share"]),
+                _pct(p["fixed_share"]),
+            ]
+            for p in c["points"]
+        ],
+    )
     limit = c["speedup_limit"]
     lines.append(
         f"implied fixed cost {c['fixed_s']:.3g} s per epoch: no N can beat it, so the speedup "
@@ -113,9 +183,17 @@ def format_calibration(report: dict, source: str) -> str:
     lines.append("extrapolated:")
     lines += _table(
         ["N", "epoch s", "speedup", "efficiency", "communication"],
-        [[r["n"], f"{r['epoch_s']:.3g}", f"{r['speedup']:.2f}x", _pct(r["efficiency"]),
-          _pct(r["communication_share"])] for r in report["predicted"]],
-    )  # fmt: skip
+        [
+            [
+                r["n"],
+                f"{r['epoch_s']:.3g}",
+                f"{r['speedup']:.2f}x",
+                _pct(r["efficiency"]),
+                _pct(r["communication_share"]),
+            ]
+            for r in report["predicted"]
+        ],
+    )
     return "\n".join(lines)
 
 

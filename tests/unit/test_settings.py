@@ -1,0 +1,253 @@
+"""The settings schema: each setting declared once, and everything made from it agrees."""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import io
+from pathlib import Path
+
+import pytest
+import yaml
+
+from imagefolders import make_image_folder
+from paratrain.cli import COMMANDS, build_parser, flag_reference, main, resolve_train_args
+from paratrain.config import PRESETS, STRATEGY_NAMES, TrainConfig, resolve_train, settings
+from paratrain.config.schema import describe
+from paratrain.engine.schedule import describe_schedule
+from paratrain.errors import UserError
+from paratrain.parallel import STRATEGIES
+
+ROOT = Path(__file__).resolve().parents[2]
+SRC = ROOT / "src" / "paratrain"
+
+
+def _subparser(name: str):
+    parser = build_parser()
+    return parser._subparsers._group_actions[0].choices[name]
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_every_flag_of_every_command_is_a_declared_setting(name):
+    command = COMMANDS[name]
+    declared = {s.flag for s in settings(command.options)}
+    declared |= {s.flag for s in settings(TrainConfig) if s.name in command.train_settings}
+    offered = set()
+    for action in _subparser(name)._actions:
+        if action.dest == "help":
+            continue
+        offered |= set(action.option_strings) or {action.dest}
+    assert offered == declared
+
+
+def test_the_readme_flag_tables_are_the_schema():
+    readme = (ROOT / "README.md").read_text()
+    start, end = (
+        "<!-- flag-reference: made by paratrain.cli.flag_reference -->\n",
+        "<!-- /flag-reference -->",
+    )
+    assert start in readme and end in readme, "the README lost its flag reference markers"
+    section = readme.split(start, 1)[1].split(end, 1)[0]
+    assert section == flag_reference(), (
+        "README flag tables differ from the schema; paste the output of "
+        "python -c 'from paratrain.cli import flag_reference; print(flag_reference(), end=\"\")'"
+    )
+
+
+def _string_sequences(tree: ast.AST) -> list[tuple[int, frozenset[str]]]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Tuple | ast.List | ast.Set) and len(node.elts) >= 2:
+            if all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
+                found.append((node.lineno, frozenset(e.value for e in node.elts)))
+    return found
+
+
+def test_choices_and_defaults_are_written_once():
+    every = [s for command in COMMANDS.values() for s in settings(command.options)]
+    every += list(settings(TrainConfig))
+    choices = {frozenset(s.rule.choices) for s in every if s.rule.choices}
+    for path in SRC.rglob("*.py"):
+        if path.parent.name == "config":
+            continue
+        text = path.read_text()
+        for line, values in _string_sequences(ast.parse(text)):
+            assert values not in choices, f"{path}:{line} restates the choices {sorted(values)}"
+        assert "(default " not in text, f"{path} writes a default into a help text"
+    for s in every:
+        assert "default" not in s.rule.help.lower(), f"{s.flag}: the schema appends the default"
+
+
+def test_strategy_names_are_the_strategy_table():
+    assert set(STRATEGY_NAMES) == set(STRATEGIES)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return make_image_folder(tmp_path_factory.mktemp("data") / "d", classes=2, per_class=4)
+
+
+def _other(value):
+    """A valid value other than a preset's."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 3
+    if isinstance(value, float):
+        return round(value / 2, 6) if value else 0.25
+    return {"resnet18": "resnet34"}[value]
+
+
+def _resolved(argv: list[str]) -> TrainConfig:
+    return resolve_train_args(build_parser().parse_args(["train", *argv]))
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.name)
+def test_a_preset_fills_what_was_not_given_by_flag_or_by_file_alike(preset, folder, tmp_path):
+    trigger = {"adamw": {"opt": "adamw", "data": str(folder)}, "digits": {}}[preset.name]
+    trigger_flags = [x for k, v in trigger.items() for x in (f"--{k}", str(v))]
+    left_out = _resolved(trigger_flags)
+    for key, preset_value in preset.values.items():
+        assert getattr(left_out, key) == preset_value, key
+        value = _other(preset_value)
+        by_flag = _resolved([*trigger_flags, f"--{key.replace('_', '-')}", str(value)])
+        file = tmp_path / f"{key}.yaml"
+        file.write_text(yaml.safe_dump({**trigger, key: value}))
+        by_file = _resolved(["--config", str(file)])
+        assert by_flag == by_file, key
+        assert getattr(by_file, key) == value, key
+    # the same through Python's entry point
+    assert resolve_train(trigger) == left_out
+
+
+def test_a_file_without_data_keeps_the_digits_preset(tmp_path):
+    file = tmp_path / "run.yaml"
+    file.write_text("epochs: 3\nopt: adamw\n")
+    cfg = _resolved(["--config", str(file)])
+    assert (cfg.epochs, cfg.image_size, cfg.batch_size) == (3, 16, 32)  # the rest: digits
+    assert (cfg.lr, cfg.weight_decay) == (0.001, 0.05)  # adamw's, over the digits lr
+
+
+def test_a_saved_config_reruns_exactly(folder, tmp_path):
+    cfg = _resolved(["--data", str(folder), "--opt", "adamw", "--epochs", "2"])
+    cfg.save(tmp_path / "config.yaml")
+    assert _resolved(["--config", str(tmp_path / "config.yaml")]) == cfg
+
+
+def test_unknown_keys_name_the_closest_setting(tmp_path):
+    file = tmp_path / "bad.yaml"
+    file.write_text("batchsize: 3\n")
+    with pytest.raises(UserError, match="unknown key 'batchsize' \\(did you mean batch_size\\?\\)"):
+        _resolved(["--config", str(file)])
+
+
+def _run(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exc:  # argparse's own errors
+            code = exc.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def _one_line_error(code: int, err: str, *needles: str) -> None:
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    "argv, needles",
+    [
+        (["train", "--momentum", "-0.5"], ["--momentum", "-0.5", "in [0, 1)"]),
+        (["train", "--weight-decay", "-1"], ["--weight-decay", "at least 0"]),
+        (["train", "--split-seed", "-3"], ["--split-seed", "-3"]),
+        (["train", "--timeout", "nan"], ["--timeout", "nan"]),
+        (["train", "--timeout", "1e300"], ["--timeout", "in (0, 2592000]"]),
+        (["train", "--lr", "inf"], ["--lr", "inf", "positive"]),
+        (["train", "--name", "a/b"], ["--name", "a folder name"]),
+        (["eval", "--checkpoint", "x.pt", "--workers", "-1"], ["--workers", "-1"]),
+        (["predict", "--checkpoint", "x.pt", "--batch-size", "0", "y.jpg"], ["--batch-size", "0"]),
+        (["predict", "--checkpoint", "x.pt", "--batch-size", "-1", "y.jpg"], ["--batch-size"]),
+        (["plan", "--device-memory", "8GB", "--microbatches", "0"], ["--microbatches", "0"]),
+        (["plan", "--device-memory", "8GB", "--devices", "0"], ["--devices", "0"]),
+        (["plan", "--device-memory", "lots"], ["--device-memory", "'lots'"]),
+        (["scale", "--nproc-max", "0"], ["--nproc-max", "0"]),
+        (["bench", "--steps", "0"], ["--steps", "0"]),
+        (["check", "--nproc", "0"], ["--nproc", "0"]),
+        (["slurm", "--epochs", "0", "--data", "D"], ["--epochs", "0"]),
+        (["slurm", "--time", "tomorrow"], ["--time", "a SLURM time"]),
+        (["runs", "/nowhere/at/all"], ["no such run folder: /nowhere/at/all"]),
+        (
+            ["train", "--model", "vit_b_32", "--image-size", "16", "--dry-run"],
+            ["vit_b_32", "16px", "the smallest --image-size it takes is 32"],
+        ),
+        (
+            ["train", "--model", "alexnet", "--image-size", "32", "--dry-run"],
+            ["smallest --image-size it takes is 63"],
+        ),
+    ],
+)
+def test_a_bad_value_is_one_line_naming_flag_value_and_what_is_allowed(argv, needles, tmp_path):
+    code, _, err = _run(argv)
+    _one_line_error(code, err, *needles)
+
+
+def test_messages_say_what_is_allowed():
+    s = {x.name: x for x in settings(TrainConfig)}
+    assert describe(s["val_fraction"]) == "between 0 and 1 (exclusive)"
+    assert describe(s["hflip"]) == "in [0, 1]"
+    assert describe(s["lr"]) == "positive"
+    assert describe(s["opt"]) == "one of sgd, adamw"
+    assert describe(s["resume"]).endswith(", or auto")
+
+
+def test_dry_run_checks_and_describes_without_running(folder, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cache = tmp_path / "cache"
+    code, out, err = _run(
+        [
+            "train",
+            "--data",
+            str(folder),
+            "--nproc",
+            "2",
+            "--dry-run",
+            "--warmup-epochs",
+            "1",
+            "--cache-dir",
+            str(cache),
+        ]
+    )
+    assert code == 0, err
+    assert "resolved config:" in out and "  image_size: 224" in out
+    assert "2 processes started here by torch's elastic launcher" in out
+    assert "global batch: 32 (16 x 2 replica(s))" in out
+    assert "peak lr 0.02 (0.01 x 2, linear scaling), warm-up 1 epoch(s) from 0.01" in out
+    assert "decoded-image cache: would be built" in out
+    assert not (tmp_path / "runs").exists() and not cache.exists()  # nothing written
+
+
+def test_the_start_line_gives_the_peak_rate_and_the_warm_up_apart():
+    cfg = TrainConfig(lr=0.01, warmup_epochs=2, epochs=10, lrf=0.1)
+    text = describe_schedule(0.04, cfg)
+    assert text == (
+        "peak lr 0.04 (0.01 x 4, linear scaling), warm-up 2 epoch(s) from 0.0133333, "
+        "cosine to 0.004 by epoch 10"
+    )
+
+
+def test_paratrain_alone_lists_its_commands_and_version_prints():
+    code, out, _ = _run([])
+    assert code == 0 and all(name in out for name in COMMANDS)
+    code, out, _ = _run(["--version"])
+    assert code == 0 and out.startswith("paratrain ")
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_every_command_has_help(name):
+    code, out, _ = _run([name, "--help"])
+    assert code == 0 and out.startswith("usage: paratrain")
