@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from paratrain.config import (
     BENCH_SETTINGS,
@@ -34,6 +34,9 @@ from paratrain.config import (
 )
 from paratrain.distributed.env import DistEnv, detect
 from paratrain.errors import AgreedUserError, UserError
+
+if TYPE_CHECKING:
+    from paratrain.bench.step import BenchResult
 
 T = TypeVar("T")
 Say = Callable[[str], Any]
@@ -136,6 +139,7 @@ def preflight(cfg: TrainConfig) -> None:
 
 
 def require_tensorboard() -> None:
+    """--tensorboard needs the package; say so before any work rather than at the first epoch."""
     try:
         import tensorboard  # noqa: F401
     except ImportError:
@@ -415,7 +419,7 @@ def models(opts: ModelsOptions | None = None, say: Say = print) -> list[str]:
 # ---------------------------------------------------------------- bench, scale, plan
 
 
-def bench(cfg: TrainConfig, opts: BenchOptions, say: Say = print):
+def bench(cfg: TrainConfig, opts: BenchOptions, say: Say = print) -> BenchResult | None:
     """Step speed on synthetic data: the result on rank 0, else None. ``sweep_bytes``
     adds all-reduce timings up to that size, and ``result_file`` receives both as JSON
     (how `paratrain scale` collects the runs it launches)."""

@@ -13,7 +13,6 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from paratrain import __version__
 from paratrain.config import (
     BENCH_SETTINGS,
     PLAN_SETTINGS,
@@ -37,6 +36,7 @@ from paratrain.config import (
 )
 from paratrain.config.schema import Setting
 from paratrain.errors import UserError
+from paratrain.version import __version__
 
 S = argparse.SUPPRESS  # a flag the user did not give stays absent: defaults and presets fill it
 
@@ -120,7 +120,9 @@ def _parse_as(s: Setting) -> Callable[[str], object]:
     return parse
 
 
-def add_settings(parser: argparse.ArgumentParser, cls: type, names: Sequence[str] | None = None):
+def add_settings(
+    parser: argparse.ArgumentParser, cls: type, names: Sequence[str] | None = None
+) -> None:
     """One flag per setting of ``cls`` (those in ``names``), in its help group."""
     groups: dict[str, argparse._ArgumentGroup] = {}
     for s in settings(cls):
@@ -155,6 +157,7 @@ def add_settings(parser: argparse.ArgumentParser, cls: type, names: Sequence[str
 
 
 def build_parser() -> _Parser:
+    """The `paratrain` parser: one subcommand per COMMANDS entry, its flags made from the schema."""
     parser = _Parser(
         prog="paratrain",
         description="Train image classifiers in parallel with "
@@ -209,6 +212,7 @@ def resolve_train_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` and run the command; returns the exit code (2 for a user's mistake, told in one line)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if not argv:

@@ -12,10 +12,12 @@ _LOGGER_NAME = "paratrain"
 
 
 def get_logger() -> logging.Logger:
+    """paratrain's logger: what code that must speak uses (print is never replaced)."""
     return logging.getLogger(_LOGGER_NAME)
 
 
 def setup_logging(rank: int = 0, world_size: int = 1) -> logging.Logger:
+    """Rank 0 logs to stdout; other ranks only warnings and errors, prefixed with their rank."""
     logger = get_logger()
     logger.handlers.clear()
     handler = logging.StreamHandler(sys.stdout)

@@ -30,10 +30,13 @@ class Row:
     detail: str
 
 
-def run_checks(rt: Runtime, bandwidth_sizes_mb=BANDWIDTH_SIZES_MB) -> list[Row]:
-    rows = [_backends(rt), _placement(rt)]
-    rows += [_all_reduce(rt), _broadcast(rt), _all_gather(rt), _sync_bn(rt)]
-    rows += [_bandwidth(rt, size) for size in bandwidth_sizes_mb]
+def run_checks(
+    runtime: Runtime, bandwidth_sizes_mb: tuple[int, ...] = BANDWIDTH_SIZES_MB
+) -> list[Row]:
+    """Every check on every rank; a check failed anywhere is failed everywhere, so every rank's verdict agrees."""
+    rows = [_backends(runtime), _placement(runtime)]
+    rows += [_all_reduce(runtime), _broadcast(runtime), _all_gather(runtime), _sync_bn(runtime)]
+    rows += [_bandwidth(runtime, size) for size in bandwidth_sizes_mb]
     # every rank must agree on every verdict, so a failure anywhere fails everywhere
     verdicts = comm.all_reduce_sum(torch.tensor([0 if r.ok else 1 for r in rows]))
     for row, failures in zip(rows, verdicts.tolist(), strict=True):
@@ -43,13 +46,14 @@ def run_checks(rt: Runtime, bandwidth_sizes_mb=BANDWIDTH_SIZES_MB) -> list[Row]:
 
 
 def format_table(rows: list[Row]) -> str:
+    """The table `paratrain check` prints: one row per check, ok or FAIL, and what was measured."""
     width = max(len(r.name) for r in rows)
     lines = [f"{'check'.ljust(width)}  result  detail", "-" * (width + 40)]
     lines += [f"{r.name.ljust(width)}  {'ok' if r.ok else 'FAIL':6}  {r.detail}" for r in rows]
     return "\n".join(lines)
 
 
-def _backends(rt: Runtime) -> Row:
+def _backends(runtime: Runtime) -> Row:
     have = [
         name
         for name, ok in (
@@ -63,60 +67,62 @@ def _backends(rt: Runtime) -> Row:
     return Row(
         "backends",
         bool(have),
-        f"available: {', '.join(have) or 'none'}; {cuda}; using {rt.backend}",
+        f"available: {', '.join(have) or 'none'}; {cuda}; using {runtime.backend}",
     )
 
 
-def _placement(rt: Runtime) -> Row:
-    seen = comm.all_gather_object((rt.rank, socket.gethostname(), str(rt.device)))
-    ranks_ok = [r for r, _, _ in seen] == list(range(rt.world_size))
+def _placement(runtime: Runtime) -> Row:
+    seen = comm.all_gather_object((runtime.rank, socket.gethostname(), str(runtime.device)))
+    ranks_ok = [r for r, _, _ in seen] == list(range(runtime.world_size))
     hosts = sorted({h for _, h, _ in seen})
     detail = "; ".join(f"rank {r}: {h} {d}" for r, h, d in seen[:8])
     more = f" ... ({len(seen)} ranks on {len(hosts)} host(s))" if len(seen) > 8 else ""
     return Row("rank placement", ranks_ok, detail + more)
 
 
-def _all_reduce(rt: Runtime) -> Row:
-    value = comm.all_reduce_sum(torch.full((1024,), float(rt.rank + 1)))
-    expected = rt.world_size * (rt.world_size + 1) / 2
+def _all_reduce(runtime: Runtime) -> Row:
+    value = comm.all_reduce_sum(torch.full((1024,), float(runtime.rank + 1)))
+    expected = runtime.world_size * (runtime.world_size + 1) / 2
     ok = bool(torch.all(value == expected))
     return Row("all_reduce", ok, f"sum of rank+1 = {value[0].item():g}, expected {expected:g}")
 
 
-def _broadcast(rt: Runtime) -> Row:
+def _broadcast(runtime: Runtime) -> Row:
     reference = torch.arange(1000, dtype=torch.float32)
-    tensor = reference.clone() if rt.rank == 0 else torch.zeros(1000)
+    tensor = reference.clone() if runtime.rank == 0 else torch.zeros(1000)
     buffer = tensor.to(comm.comm_device())
     dist.broadcast(buffer, src=0)
     ok = torch.equal(buffer.cpu(), reference)
     return Row("broadcast", ok, "rank 0's arange(1000) received" if ok else "wrong data received")
 
 
-def _all_gather(rt: Runtime) -> Row:
-    mine = torch.tensor([float(rt.rank)], device=comm.comm_device())
-    out = [torch.zeros_like(mine) for _ in range(rt.world_size)]
+def _all_gather(runtime: Runtime) -> Row:
+    mine = torch.tensor([float(runtime.rank)], device=comm.comm_device())
+    out = [torch.zeros_like(mine) for _ in range(runtime.world_size)]
     dist.all_gather(out, mine)
     got = [int(t.item()) for t in out]
-    return Row("all_gather", got == list(range(rt.world_size)), f"gathered ranks {got[:16]}")
+    return Row("all_gather", got == list(range(runtime.world_size)), f"gathered ranks {got[:16]}")
 
 
-def _sync_bn(rt: Runtime) -> Row:
+def _sync_bn(runtime: Runtime) -> Row:
     """A small conv+BN model: the global batch split across ranks vs. one BatchNorm."""
     torch.manual_seed(0)
     per_rank = 3
-    x = torch.randn(per_rank * rt.world_size, 3, 8, 8) * 2 + 0.5
+    x = torch.randn(per_rank * runtime.world_size, 3, 8, 8) * 2 + 0.5
     model = nn.Sequential(nn.Conv2d(3, 6, 3), nn.BatchNorm2d(6), nn.ReLU())
     reference = model(x)
     reference.square().sum().backward()
     ref_grad = model[0].weight.grad.clone()
     model.zero_grad()
-    synced = SyncBatchNorm.convert(model).to(rt.device)
-    local = x[rt.rank * per_rank : (rt.rank + 1) * per_rank].to(rt.device)
+    synced = SyncBatchNorm.convert(model).to(runtime.device)
+    local = x[runtime.rank * per_rank : (runtime.rank + 1) * per_rank].to(runtime.device)
     out = synced(local)
     out.square().sum().backward()
     grad = comm.all_reduce_sum(synced[0].weight.grad.detach().cpu())
     out_err = (
-        (out.detach().cpu() - reference[rt.rank * per_rank : (rt.rank + 1) * per_rank]).abs().max()
+        (out.detach().cpu() - reference[runtime.rank * per_rank : (runtime.rank + 1) * per_rank])
+        .abs()
+        .max()
     )
     grad_err = ((grad - ref_grad).abs().max() / ref_grad.abs().max()).item()
     ok = out_err.item() < 1e-4 and grad_err < 1e-4
@@ -125,12 +131,12 @@ def _sync_bn(rt: Runtime) -> Row:
     )
 
 
-def _bandwidth(rt: Runtime, size_mb: int) -> Row:
+def _bandwidth(runtime: Runtime, size_mb: int) -> Row:
     from paratrain.bench.collectives import time_all_reduce
 
     nbytes = size_mb * 2**20
     seconds = statistics.median(time_all_reduce(nbytes, repeats=5 if size_mb <= 16 else 3))
-    n = rt.world_size
+    n = runtime.world_size
     algorithm = nbytes / seconds / 1e9
     bus = algorithm * 2 * (n - 1) / n  # what each link carries in a ring all-reduce
     return Row(

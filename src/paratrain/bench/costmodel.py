@@ -44,13 +44,16 @@ class Link:
 
     @property
     def alpha_s(self) -> float:
+        """Latency per message, in seconds."""
         return self.latency_us * 1e-6
 
     @property
     def beta_bps(self) -> float:
+        """Bandwidth, in bytes per second."""
         return self.bandwidth_gbps * 1e9
 
     def describe(self) -> str:
+        """The link as one line: name, bandwidth, latency and what it is."""
         text = f"{self.name}: {self.bandwidth_gbps:g} GB/s, {self.latency_us:g} us"
         return f"{text} ({self.note})" if self.note else text
 
@@ -80,6 +83,7 @@ class Network:
     intra: Link | None = None
 
     def all_reduce_s(self, n: int, nbytes: float) -> float:
+        """Seconds for one all-reduce of ``nbytes`` over ``n`` devices on this network."""
         if not self.per_node or self.intra is None:
             return ring_all_reduce_s(n, nbytes, self.link)
         inside = min(self.per_node, n)
@@ -91,6 +95,7 @@ class Network:
         return local + ring_all_reduce_s(nodes, nbytes / inside, self.link)
 
     def describe(self) -> str:
+        """The network as one line: one link, or the link inside a node and the one between nodes."""
         if not self.per_node or self.intra is None:
             return f"ring all-reduce on {self.link.describe()}"
         return (
@@ -111,6 +116,7 @@ class LinkFit:
     points: int
 
     def link(self, name: str = "measured") -> Link:
+        """The fitted alpha and beta as a Link, so predictions can use them like a preset."""
         return Link(name, self.beta_bps / 1e9, self.alpha_s * 1e6, "fitted here")
 
 
@@ -163,10 +169,12 @@ class StepProfile:
 
     @property
     def compute_s(self) -> float:
+        """Seconds of one step's computation: data and forward, backward, optimizer."""
         return self.before_backward_s + self.backward_s + self.after_backward_s
 
     @property
     def gradient_bytes(self) -> int:
+        """Bytes all-reduced per step: every gradient once."""
         return sum(nbytes for _, nbytes in self.gradients)
 
     def scaled(self, factor: float) -> StepProfile:
@@ -258,6 +266,7 @@ def predict(
 
 
 def powers_of_two(last: int, also: Iterable[int] = ()) -> list[int]:
+    """1, 2, 4, ... up to ``last``, with ``also`` merged in: the N at which predictions are printed."""
     ns = {1 << k for k in range(int(math.log2(max(last, 1))) + 1)} | set(also)
     return sorted(n for n in ns if 1 <= n <= last)
 
@@ -279,18 +288,23 @@ class Calibration:
     measured: tuple[tuple[int, float], ...]
 
     def epoch_s(self, n: int) -> float:
+        """The fitted epoch time at ``n`` processes."""
         return self.fixed_s + self.compute_s / n + self.communication_s * (n - 1) / n**2
 
     def communication_share(self, n: int) -> float:
+        """The share of the fitted epoch at ``n`` that is communication."""
         return self.communication_s * (n - 1) / n**2 / self.epoch_s(n)
 
     def fixed_share(self, n: int) -> float:
+        """The share of the fitted epoch at ``n`` that no N can shorten."""
         return self.fixed_s / self.epoch_s(n)
 
     def errors(self) -> list[float]:
+        """Each measured point's relative error against the fit: how far to trust it."""
         return [(self.epoch_s(n) - t) / t for n, t in self.measured]
 
     def speedup_limit(self) -> float:
+        """The speedup no N can pass: the fixed cost alone stays."""
         return self.epoch_s(1) / self.fixed_s if self.fixed_s > 0 else math.inf
 
 

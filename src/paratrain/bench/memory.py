@@ -54,6 +54,7 @@ class DeviceMemory:
 
     @property
     def total(self) -> int:
+        """Bytes per device in all."""
         return self.parameters + self.gradients + self.optimizer + self.activations
 
 
@@ -149,6 +150,7 @@ def fits(row: DeviceMemory, device_memory: int, devices: int) -> bool:
 
 
 def recommend(rows: list[DeviceMemory], device_memory: int, devices: int) -> tuple[str | None, str]:
+    """The fastest strategy that fits ``device_memory`` (in the order of ORDER) and why; where none fits, the one that needs least."""
     fitting = {r.strategy for r in rows if fits(r, device_memory, devices)}
     for strategy in ORDER:
         if strategy in fitting:
@@ -173,6 +175,7 @@ def format_plan(
     why: str,
     heading: str,
 ) -> str:
+    """The table `paratrain plan` prints: each strategy's memory per device, whether it fits, and the recommendation."""
     lines = [
         heading,
         f"{'strategy':<9} {'params':>9} {'grads':>9} {'optim':>9} "
@@ -195,6 +198,7 @@ def _mib(n: float) -> str:
 
 
 def as_dict(rows: list[DeviceMemory]) -> list[dict]:
+    """The rows as plain dicts, for --json."""
     return [{**asdict(r), "total": r.total} for r in rows]
 
 

@@ -20,7 +20,7 @@ import contextlib
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -85,6 +85,7 @@ class Measured:
 
 
 def available_cores() -> int:
+    """The cores this process may run on (its affinity), which the measured layouts share out."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
@@ -128,7 +129,9 @@ def _launched(n: int, threads: int, cfg: TrainConfig, opts: ScaleSettings, sweep
         return json.loads(result_file.read_text())
 
 
-def measure(cfg: TrainConfig, opts: ScaleSettings, say=print):
+def measure(
+    cfg: TrainConfig, opts: ScaleSettings, say: Callable[[str], object] = print
+) -> tuple[costmodel.StepProfile, list[Measured], list[tuple[int, int, float]]]:
     """Run every measurement; returns (profile, measured rows, all-reduce samples)."""
     import torch
 
@@ -141,14 +144,14 @@ def measure(cfg: TrainConfig, opts: ScaleSettings, say=print):
     rows: list[Measured] = []
     samples: list[tuple[int, int, float]] = []
     saved_threads = torch.get_num_threads()
-    with distributed(detect({}), cfg.device) as rt:
+    with distributed(detect({}), cfg.device) as runtime:
         torch.set_num_threads(same)
         say(f"profiling 1 process x {same} thread(s) ...")
-        order = gradient_order(cfg, rt, opts.steps, opts.warmup)  # also warms this process up
+        order = gradient_order(cfg, runtime, opts.steps, opts.warmup)  # also warms this process up
         for threads in sorted({same, cores}):
             torch.set_num_threads(threads)
             say(f"measuring 1 process x {threads} thread(s) ...")
-            result = asdict(run_bench(cfg, rt, opts.steps, opts.warmup))
+            result = asdict(run_bench(cfg, runtime, opts.steps, opts.warmup))
             if threads == same:
                 backward = result["backward_ms"] / 1000
                 profile = costmodel.StepProfile(
@@ -295,6 +298,7 @@ def report(
 
 
 def calibration_report(calibration: costmodel.Calibration, max_n: int) -> dict:
+    """What `scale --calibrate` writes: the fit of the user's epoch times and its extrapolation to ``max_n``."""
     ns = costmodel.powers_of_two(max_n, also=[n for n, _ in calibration.measured])
     base = calibration.epoch_s(1)
     measured_base = dict(calibration.measured).get(1, base)

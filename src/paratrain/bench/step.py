@@ -71,29 +71,29 @@ class _Setup:
     device: torch.device
 
 
-def _prepare(cfg: TrainConfig, rt: Runtime, classes: int = 10) -> _Setup:
+def _prepare(cfg: TrainConfig, runtime: Runtime, classes: int = 10) -> _Setup:
     # steps under no_sync split out the communication: for DDP that is what gradient
     # accumulation does (no static graph, see parallel/ddp.py)
-    parts = parallelize(build_model(cfg, classes), replace(cfg, grad_accum=2), rt)
+    parts = parallelize(build_model(cfg, classes), replace(cfg, grad_accum=2), runtime)
     pool = [
         (
-            torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size, device=rt.device).to(
-                memory_format=parts.memory_format
-            ),
-            torch.randint(0, classes, (cfg.batch_size,), device=rt.device),
+            torch.randn(
+                cfg.batch_size, 3, cfg.image_size, cfg.image_size, device=runtime.device
+            ).to(memory_format=parts.memory_format),
+            torch.randint(0, classes, (cfg.batch_size,), device=runtime.device),
         )
         for _ in range(2)
     ]
     parts.train()
-    precision = precision_module.build(cfg, rt)
+    precision = precision_module.build(cfg, runtime)
     precision.prepare(parts)
     return _Setup(
         parts,
-        build_optimizer(parts, cfg, rt.world_size),
+        build_optimizer(parts, cfg, runtime.world_size),
         precision,
         pool,
         nn.CrossEntropyLoss(),
-        rt.device,
+        runtime.device,
     )
 
 
@@ -124,10 +124,10 @@ def _timed_step(setup: _Setup, index: int, synced: bool = True) -> tuple[dict[st
     return times, backward_start
 
 
-def run_bench(cfg: TrainConfig, rt: Runtime, steps: int, warmup: int) -> BenchResult | None:
+def run_bench(cfg: TrainConfig, runtime: Runtime, steps: int, warmup: int) -> BenchResult | None:
     """Time ``steps`` training steps after ``warmup``; every rank takes part, rank 0 gets
     the result (the slowest rank's medians), the others None."""
-    setup = _prepare(cfg, rt)
+    setup = _prepare(cfg, runtime)
     for i in range(warmup):
         _timed_step(setup, i)
     comm.barrier()
@@ -135,15 +135,20 @@ def run_bench(cfg: TrainConfig, rt: Runtime, steps: int, warmup: int) -> BenchRe
     comm.barrier()
     local = (
         [_timed_step(setup, i, synced=False)[0] for i in range(steps)]
-        if rt.world_size > 1
+        if runtime.world_size > 1
         else synced
     )
     medians = {name: statistics.median(t[name] for t in synced) for name in PHASES}
     total = statistics.median(sum(t.values()) for t in synced)
     no_sync_total = statistics.median(sum(t.values()) for t in local)
-    mine = {**medians, "step": total, "no_sync": no_sync_total, "mem": _peak_memory_mb(rt.device)}
+    mine = {
+        **medians,
+        "step": total,
+        "no_sync": no_sync_total,
+        "mem": _peak_memory_mb(runtime.device),
+    }
     every = comm.all_gather_object(mine)
-    if not rt.is_main:
+    if not runtime.is_main:
         return None
     slowest = {key: max(r[key] for r in every) for key in mine}
     per_process = cfg.batch_size / slowest["step"]
@@ -151,9 +156,9 @@ def run_bench(cfg: TrainConfig, rt: Runtime, steps: int, warmup: int) -> BenchRe
         model=cfg.model,
         image_size=cfg.image_size,
         batch_size=cfg.batch_size,
-        world_size=rt.world_size,
+        world_size=runtime.world_size,
         precision=setup.precision.mode,
-        device=rt.device.type,
+        device=runtime.device.type,
         steps=steps,
         step_ms=1000 * slowest["step"],
         no_sync_step_ms=1000 * slowest["no_sync"],
@@ -163,18 +168,18 @@ def run_bench(cfg: TrainConfig, rt: Runtime, steps: int, warmup: int) -> BenchRe
         backward_ms=1000 * slowest["backward"],
         optimizer_ms=1000 * slowest["optimizer"],
         images_per_s_per_process=per_process,
-        images_per_s=per_process * rt.world_size,
+        images_per_s=per_process * runtime.world_size,
         peak_memory_mb=slowest["mem"],
     )
 
 
 def gradient_order(
-    cfg: TrainConfig, rt: Runtime, steps: int, warmup: int
+    cfg: TrainConfig, runtime: Runtime, steps: int, warmup: int
 ) -> list[tuple[float, int]]:
     """When each gradient is ready, as a share of backward (median of ``steps`` steps),
     and its bytes on the wire, in the order backward produces them: what the cost model
     needs to place DDP's buckets inside backward."""
-    setup = _prepare(cfg, rt)
+    setup = _prepare(cfg, runtime)
     params = [p for p in setup.parts.parameters() if p.requires_grad]
     ready: dict[int, list[float]] = {i: [] for i in range(len(params))}
 
@@ -202,6 +207,7 @@ def gradient_order(
 
 
 def format_result(result: BenchResult) -> str:
+    """The lines `paratrain bench` prints: images/s, the step by phase, communication and peak memory."""
     r = asdict(result)
     lines = [
         f"{r['model']} at {r['image_size']}px, batch {r['batch_size']} x {r['world_size']} "

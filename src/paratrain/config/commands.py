@@ -187,6 +187,7 @@ class ScaleOptions(Options):
     dry_run: bool = _dry_run()
 
     def combinations(self) -> None:
+        """--link names a preset, --bandwidth/--latency give one: not both, and those two together."""
         if (self.bandwidth is None) != (self.latency is None):
             raise UserError("--bandwidth and --latency go together (GB/s and microseconds)")
         if self.link is not None and self.bandwidth is not None:
@@ -251,6 +252,7 @@ class SlurmOptions(Options):
 
     @property
     def per_node(self) -> int:
+        """Workers per node: as asked, else one per GPU, else one."""
         return self.procs_per_node or self.gpus_per_node or 1
 
 

@@ -53,7 +53,7 @@ class Options:
     """What every options dataclass shares: ``validate()`` checks each setting against
     its rule, then the rules between settings (``combinations``)."""
 
-    def validate(self):
+    def validate(self) -> Options:
         check(self)
         self.combinations()
         return self
@@ -82,9 +82,11 @@ class Setting:
 
     @property
     def flag(self) -> str:
+        """The command-line spelling: --image-size for image_size; a positional's own name."""
         return self.name if self.rule.positional else "--" + self.name.replace("_", "-")
 
     def help_text(self) -> str:
+        """The help line, the default appended from the declaration (never written into the help by hand)."""
         text = self.rule.help
         if self.rule.default_text:
             return f"{text} (default: {self.rule.default_text})"
@@ -106,6 +108,7 @@ def settings(cls: type) -> Iterator[Setting]:
 
 
 def setting_of(cls: type, name: str) -> Setting:
+    """The declared setting ``name`` of ``cls``."""
     for s in settings(cls):
         if s.name == name:
             return s

@@ -352,6 +352,7 @@ class TrainConfig(Options):
         check_paths(self)
 
     def combinations(self) -> None:
+        """Rules between settings: what one strategy cannot combine with, and what it needs."""
         if self.strategy == "dp" and self.nproc > 1:
             raise UserError(
                 "--strategy dp drives every GPU from one process; leave out --nproc "
@@ -412,9 +413,11 @@ class TrainConfig(Options):
         return [point.strip() for point in self.split_points.split(",") if point.strip()]
 
     def to_dict(self) -> dict[str, Any]:
+        """Every setting by name: what config.yaml and a checkpoint keep."""
         return dataclasses.asdict(self)
 
     def save(self, path: Path) -> None:
+        """The resolved config as YAML, reusable with --config: every setting given, so no preset applies again."""
         path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
 
     @classmethod
@@ -425,6 +428,7 @@ class TrainConfig(Options):
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> TrainConfig:
+        """A YAML file's settings exactly (no preset); see resolve_train for the CLI's path."""
         return cls.from_dict(read_yaml(path), source=str(path))
 
 

@@ -19,6 +19,7 @@ DIGITS_DIRNAME = "digits-v1"
 
 
 def default_cache_dir() -> Path:
+    """$PARATRAIN_CACHE, else $XDG_CACHE_HOME/paratrain, else ~/.cache/paratrain."""
     base = os.environ.get("PARATRAIN_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "paratrain"
     )
@@ -31,6 +32,7 @@ def digits_dir(cache_dir: str | Path | None = None) -> Path:
 
 
 def digits_ready(cache_dir: str | Path | None = None) -> bool:
+    """Whether the digits folder was written whole (its COMPLETE marker is there)."""
     return (digits_dir(cache_dir) / "COMPLETE").exists()
 
 

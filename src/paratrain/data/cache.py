@@ -46,6 +46,7 @@ _ROTATED = {5, 6, 7, 8}  # EXIF orientations that swap width and height
 
 
 def cache_key(samples: Sequence[Sample], short_side: int) -> str:
+    """The cache's name: a hash of the format, the stored size and every file's path, size and modification time, so changed data gets a new cache."""
     digest = hashlib.sha256(f"paratrain-cache-{CACHE_FORMAT}-{short_side}".encode())
     for path, _ in samples:
         stat = os.stat(path)
@@ -112,6 +113,7 @@ class DecodedCache:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of decoded pixels the cache holds."""
         return int((self.index[:, 1] * self.index[:, 2] * 3).sum())
 
     def image(self, i: int) -> torch.Tensor:
@@ -260,6 +262,7 @@ class CachedImages(ImageSamples):
         self.slots = [cache.slots[path] for path, _ in samples]
 
     def load(self, index: int) -> torch.Tensor:
+        """The sample's pixels from the cache instead of its file."""
         return self.cache.image(self.slots[index])
 
     def __getitems__(self, keys: list) -> tuple[torch.Tensor, torch.Tensor]:
@@ -276,7 +279,7 @@ class CachedImages(ImageSamples):
         return batch, labels
 
 
-def batched(batch):
+def batched(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """collate_fn for CachedImages: its __getitems__ returns the batch ready."""
     return batch
 
@@ -331,9 +334,13 @@ class CachedTrainTransform:
         return out.sub_(self.mean).mul_(self.inv_std)
 
 
-def cached_train_transform(size: int, crop_scale_min: float = 0.08, hflip: float = 0.5):
+def cached_train_transform(
+    size: int, crop_scale_min: float = 0.08, hflip: float = 0.5
+) -> CachedTrainTransform:
+    """The training augmentation on cached uint8 images (see CachedTrainTransform)."""
     return CachedTrainTransform(size, crop_scale_min, hflip)
 
 
-def cached_eval_transform(size: int):
+def cached_eval_transform(size: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The evaluation transform on cached uint8 images: the same tensors as the decode path's."""
     return v2.Compose([v2.CenterCrop(size), _to_float, v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)])

@@ -80,6 +80,7 @@ def _is_given_split(root: Path) -> bool:
 
 
 def build_split(data_dir: str | Path, val_fraction: float = 0.2, seed: int = 0) -> DataSplit:
+    """The classes and the train/val samples of a folder, in either layout; the same on every rank and every run (a fixed seed per class)."""
     root = Path(data_dir).expanduser()
     ignored: list[str] = []
     if _is_given_split(root):
@@ -234,7 +235,8 @@ class ImageSamples(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def load(self, index: int):
+    def load(self, index: int) -> Image.Image:
+        """The sample's image, decoded (at reduced scale where ``at_least`` allows)."""
         return load_rgb(self.samples[index][0], self.at_least)
 
     def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int]:

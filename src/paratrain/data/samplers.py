@@ -32,6 +32,7 @@ class TrainSampler(Sampler[tuple[int, int]]):
         self.epoch, self.consumed = 0, 0
 
     def set_epoch(self, epoch: int, consumed: int = 0) -> None:
+        """A new order for ``epoch``, skipping the ``consumed`` samples a resumed epoch already trained on."""
         self.epoch, self.consumed = epoch, consumed
 
     def _global_order(self) -> list[int]:
@@ -52,6 +53,7 @@ class TrainSampler(Sampler[tuple[int, int]]):
 
 
 def train_sampler(dataset_len: int, rank: int, world_size: int, seed: int) -> TrainSampler:
+    """The training sampler of one shard of ``replicas``."""
     return TrainSampler(dataset_len, rank, world_size, seed)
 
 

@@ -11,10 +11,12 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 def eval_resize(size: int) -> int:
+    """The short side evaluation resizes to before its center crop (torchvision's 256/224)."""
     return int(round(size * 256 / 224))
 
 
 def train_transform(size: int, crop_scale_min: float = 0.08, hflip: float = 0.5) -> T.Compose:
+    """RandomResizedCrop, an optional flip, ImageNet normalisation: torchvision's reference training preset."""
     steps = [T.RandomResizedCrop(size, scale=(crop_scale_min, 1.0), antialias=True)]
     if hflip > 0:
         steps.append(T.RandomHorizontalFlip(hflip))
@@ -23,6 +25,7 @@ def train_transform(size: int, crop_scale_min: float = 0.08, hflip: float = 0.5)
 
 
 def eval_transform(size: int) -> T.Compose:
+    """Resize, center crop, ImageNet normalisation: torchvision's reference evaluation preset."""
     return T.Compose(
         [
             T.Resize(eval_resize(size), antialias=True),

@@ -16,18 +16,22 @@ T = TypeVar("T")
 
 
 def is_dist() -> bool:
+    """Whether a process group is up (collectives then talk to the other ranks)."""
     return dist.is_available() and dist.is_initialized()
 
 
 def rank() -> int:
+    """This process's rank, 0 without a process group."""
     return dist.get_rank() if is_dist() else 0
 
 
 def world_size() -> int:
+    """The number of ranks, 1 without a process group."""
     return dist.get_world_size() if is_dist() else 1
 
 
 def is_main() -> bool:
+    """Rank 0: the one that speaks and writes."""
     return rank() == 0
 
 
@@ -57,6 +61,7 @@ def broadcast_object(obj: T, src: int = 0) -> T:
 
 
 def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (pickled: for small things)."""
     if not is_dist():
         return [obj]
     gathered: list[Any] = [None] * world_size()
@@ -65,6 +70,7 @@ def all_gather_object(obj: Any) -> list[Any]:
 
 
 def barrier() -> None:
+    """Wait for every rank (on NCCL, on this rank's own device)."""
     if is_dist():
         if dist.get_backend() == "nccl":
             dist.barrier(device_ids=[torch.cuda.current_device()])

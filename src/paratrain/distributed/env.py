@@ -30,10 +30,12 @@ class DistEnv:
 
     @property
     def distributed(self) -> bool:
+        """More than one process."""
         return self.world_size > 1
 
     @property
     def is_main(self) -> bool:
+        """Rank 0."""
         return self.rank == 0
 
 

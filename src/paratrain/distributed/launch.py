@@ -31,6 +31,7 @@ _PEER_SIGNS = (
 
 
 def is_peer_loss(exc: BaseException) -> bool:
+    """A collective failed because another rank went away: a consequence, reported as such, not a cause."""
     import torch.distributed as dist
 
     text = str(exc)

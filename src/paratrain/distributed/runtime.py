@@ -25,14 +25,17 @@ class Runtime:
 
     @property
     def rank(self) -> int:
+        """This process's rank."""
         return self.env.rank
 
     @property
     def world_size(self) -> int:
+        """The number of processes in the job."""
         return self.env.world_size
 
     @property
     def is_main(self) -> bool:
+        """Rank 0: the one that speaks and writes."""
         return self.env.is_main
 
 
@@ -53,6 +56,7 @@ def choose_device(env: DistEnv, requested: str | None = None) -> torch.device:
 
 
 def choose_backend(device: torch.device, requested: str | None = None) -> str:
+    """nccl on CUDA, gloo on CPU, unless asked (nccl on a CPU is refused in one line)."""
     if requested == "nccl" and device.type != "cuda":
         raise UserError("--backend nccl needs CUDA devices; use gloo on CPU")
     if requested is not None:

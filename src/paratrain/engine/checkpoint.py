@@ -74,6 +74,7 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def load(path: str | Path) -> dict[str, Any]:
+    """A checkpoint file as a dict; anything else is one line naming the file."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"checkpoint not found: {path}")
@@ -206,7 +207,7 @@ def resume(
     runtime: Runtime,
     parts: ModelParts,
     optimizer: torch.optim.Optimizer,
-    scheduler,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
     recipe: Recipe,
 ) -> Progress:
     """Put the run back where the checkpoint left it; returns where training stands."""

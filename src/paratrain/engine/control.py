@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -69,7 +70,7 @@ class StepControl:
         self._buffers: list[torch.Tensor] = []
         self._saved: list[torch.Tensor] = []
 
-    def begin_step(self, buffers) -> None:
+    def begin_step(self, buffers: Iterable[torch.Tensor]) -> None:
         """Under skip, keep the buffers (BatchNorm statistics) a skipped step restores."""
         if self.skip_mode:
             self._buffers = list(buffers)
@@ -132,6 +133,7 @@ class StepControl:
             raise self._error(first_step, ranks, progress)
 
     def after_step(self, progress: Progress) -> None:
+        """Periodic saves, and a stop request: save at this step boundary on every rank, then stop."""
         every = self.cfg.save_every_steps
         if every and progress.global_step % every == 0:
             self.check(progress)  # nothing spoiled is saved; a signal is seen

@@ -28,9 +28,11 @@ class EvalResult:
     predictions: list[tuple[int, int]] | None = None  # (dataset index, predicted class)
 
     def as_dict(self) -> dict:
+        """The totals, for JSON and the metrics row."""
         return {"loss": self.loss, "top1": self.top1, "top5": self.top5, "count": self.count}
 
     def per_class_accuracy(self) -> list[float]:
+        """Each class's share of correct predictions, from the confusion matrix."""
         totals = self.confusion.sum(dim=1).clamp(min=1)
         return (self.confusion.diagonal() / totals).tolist()
 

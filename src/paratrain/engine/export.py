@@ -32,20 +32,20 @@ def export(
     safetensors (checked with the command's options)."""
     from paratrain.engine.predict import load_for_inference
 
-    model, config, classes = load_for_inference(checkpoint_path, torch.device("cpu"), ema)
+    model, cfg, classes = load_for_inference(checkpoint_path, torch.device("cpu"), ema)
     target = Path(out) if out else default_output(checkpoint_path, fmt, ema)
     target.parent.mkdir(parents=True, exist_ok=True)
     meta = {
-        "model": config.model,
+        "model": cfg.model,
         "classes": classes,
         # the eval transform: RGB, resize the short side, center crop, then normalise
-        "resize": eval_resize(config.image_size),
-        "image_size": config.image_size,
+        "resize": eval_resize(cfg.image_size),
+        "image_size": cfg.image_size,
         "mean": list(IMAGENET_MEAN),
         "std": list(IMAGENET_STD),
     }
     if fmt == "pt2":
-        _save_program(model, config.image_size, meta, target)
+        _save_program(model, cfg.image_size, meta, target)
     else:
         _save_safetensors(model, meta, target)
     index = target.parent / "class_indices.json"
@@ -73,7 +73,7 @@ def _save_safetensors(model, meta: dict, target: Path) -> None:
     )
 
 
-def load_program(path: str | Path):
+def load_program(path: str | Path) -> tuple[torch.nn.Module, dict]:
     """The exported program's callable module and its paratrain metadata."""
     extra = {"paratrain.json": ""}
     program = torch.export.load(str(path), extra_files=extra)

@@ -28,6 +28,7 @@ class InjectedFailure(RuntimeError):
 
 
 def planned(rank: int) -> Fault | None:
+    """The fault planned for this rank (and this restart attempt), or None."""
     spec = os.environ.get(ENV)
     if not spec:
         return None

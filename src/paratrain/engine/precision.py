@@ -13,12 +13,15 @@ from pathlib import Path
 
 import torch
 
+from paratrain.config import TrainConfig
+from paratrain.distributed.runtime import Runtime
 from paratrain.errors import UserError
 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether the CPU computes bf16 natively (AVX512-BF16 or AMX): where bf16 autocast is faster than fp32."""
     if cpuinfo is None:
         path = Path("/proc/cpuinfo")
         cpuinfo = path.read_text() if path.is_file() else ""
@@ -65,19 +68,22 @@ class Precision:
                     module.register_forward_pre_hook(_fp32_when_strided_over_one_pixel)
                     module.register_forward_hook(_restore_autocast, always_call=True)
 
-    def autocast(self):
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The forward's autocast context (nothing under fp32)."""
         if self.dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
+        """Backward, through the GradScaler under 16-mixed."""
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
-    def unscale(self, optimizer) -> None:
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Gradients back to their true scale before clipping (16-mixed)."""
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
 
-    def step(self, optimizer, found_inf: torch.Tensor | None = None) -> None:
+    def step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None = None) -> None:
         """The optimizer step. Under 16-mixed the GradScaler hands the scale and its inf
         check to torch's fused SGD/AdamW kernels, so nothing is read back to the host.
         ``found_inf`` (a device flag, > 0 to skip) goes the same way to a fused kernel,
@@ -95,7 +101,7 @@ class Precision:
                 del optimizer.found_inf
 
 
-def build(cfg, runtime) -> Precision:
+def build(cfg: TrainConfig, runtime: Runtime) -> Precision:
     """``--precision`` resolved for this process's device; an impossible choice fails
     alike on every rank (the same device type everywhere) and rank 0 tells it."""
     from paratrain.errors import AgreedUserError

@@ -49,13 +49,15 @@ def weights_of(state: dict, checkpoint_path: str, ema: bool = False) -> dict:
     return state["ema"]["model"]
 
 
-def load_for_inference(checkpoint_path: str, device: torch.device, ema: bool = False):
+def load_for_inference(
+    checkpoint_path: str, device: torch.device, ema: bool = False
+) -> tuple[torch.nn.Module, TrainConfig, list[str]]:
     """The checkpoint's model (eval mode), its config and its class names."""
     state = checkpoint.load(checkpoint_path)
-    config = TrainConfig.from_dict(state["config"], source=checkpoint_path)
-    model = create_model(config.model, len(state["classes"]), config.image_size)
+    cfg = TrainConfig.from_dict(state["config"], source=checkpoint_path)
+    model = create_model(cfg.model, len(state["classes"]), cfg.image_size)
     model.load_state_dict(weights_of(state, checkpoint_path, ema))
-    return model.to(device).eval(), config, state["classes"]
+    return model.to(device).eval(), cfg, state["classes"]
 
 
 @torch.no_grad()
@@ -71,8 +73,8 @@ def predict(
     if top_k < 1:
         raise UserError(f"--top-k must be at least 1, got {top_k}")
     device = choose_device(DistEnv(), device)
-    model, config, classes = load_for_inference(checkpoint_path, device, ema)
-    transform, shrink = eval_transform(config.image_size), eval_resize(config.image_size)
+    model, cfg, classes = load_for_inference(checkpoint_path, device, ema)
+    transform, shrink = eval_transform(cfg.image_size), eval_resize(cfg.image_size)
     paths = collect_images(inputs)
     k = min(top_k, len(classes))
     rows = []
@@ -95,6 +97,7 @@ def check_inputs(checkpoint_path: str, inputs: Sequence[str], ema: bool = False)
 
 
 def write_csv(rows: list[dict], path: str) -> None:
+    """--csv: one row per image, each top-k class and its probability."""
     k = len(rows[0]["top"]) if rows else 0
     header = ["path"] + [f"{name}_{n}" for n in range(1, k + 1) for name in ("class", "prob")]
     with open(path, "w", newline="") as handle:

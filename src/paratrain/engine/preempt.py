@@ -42,12 +42,14 @@ class PreemptionGuard:
             self._watchdog.cancel()
 
     def install(self) -> PreemptionGuard:
+        """Catch SIGTERM and SIGUSR1 (main thread only: signals go there)."""
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def uninstall(self) -> None:
+        """Put back the handlers found at install."""
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
@@ -75,6 +77,7 @@ def requeue_command(environ: Mapping[str, str]) -> list[str] | None:
 
 
 def requeue(environ: Mapping[str, str]) -> bool:
+    """Requeue this SLURM job (--requeue); a warning, not a failure, when it cannot."""
     command = requeue_command(environ)
     log = get_logger()
     if command is None:

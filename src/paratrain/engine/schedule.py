@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from paratrain.config import TrainConfig
+
 
 def cosine_factor(epoch: int, epochs: int, lrf: float) -> float:
     """lf(x) = ((1 + cos(pi*x/epochs)) / 2) * (1 - lrf) + lrf."""
@@ -29,12 +31,12 @@ def effective_lr(lr: float, world_size: int, scaling: str) -> float:
     return lr * world_size if scaling == "linear" else lr
 
 
-def peak_lr(cfg, replicas: int) -> float:
+def peak_lr(cfg: TrainConfig, replicas: int) -> float:
     """The rate the schedule peaks at: --lr scaled for the global batch."""
     return effective_lr(cfg.lr, replicas * cfg.grad_accum, cfg.lr_scaling)
 
 
-def describe_schedule(peak: float, cfg) -> str:
+def describe_schedule(peak: float, cfg: TrainConfig) -> str:
     """The rates a run goes through, for the start line and --dry-run: the peak, the
     warm-up (which starts lower) and where the cosine ends."""
     warm = ""
@@ -50,6 +52,7 @@ def describe_schedule(peak: float, cfg) -> str:
 def build_scheduler(
     optimizer: torch.optim.Optimizer, epochs: int, lrf: float, warmup_epochs: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
+    """The per-epoch schedule: warm-up, then cosine from the peak to peak x lrf."""
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda e: lr_factor(e, epochs, lrf, warmup_epochs)
     )

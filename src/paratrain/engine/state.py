@@ -30,6 +30,7 @@ class Progress:
     totals: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))
 
     def start_epoch(self, epoch: int) -> None:
+        """A new epoch: nothing of it consumed, its sums at zero."""
         self.epoch, self.step_in_epoch, self.consumed = epoch, 0, 0
         self.totals = torch.zeros(3, dtype=torch.float64, device=self.totals.device)
 
@@ -53,6 +54,7 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Put this process's generators back as ``rng_state`` found them."""
     py = state["python"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
     npy = state["numpy"]

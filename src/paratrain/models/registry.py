@@ -39,7 +39,7 @@ def create_model(name: str, num_classes: int, image_size: int | None = None) -> 
     return torchvision.models.get_model(name, **kwargs)
 
 
-def logits_of(output) -> torch.Tensor:
+def logits_of(output: torch.Tensor | tuple) -> torch.Tensor:
     """Models such as GoogLeNet return a named tuple in training mode."""
     return output.logits if hasattr(output, "logits") else output
 
@@ -62,9 +62,11 @@ class LoadReport:
 
     @property
     def exact(self) -> bool:
+        """Every tensor loaded, none left as initialised."""
         return not self.skipped and not self.missing
 
     def summary(self, path: str) -> str:
+        """The report as lines: counts, then the first skipped and missing keys and why."""
         lines = [
             f"weights {path}: loaded {len(self.loaded)} tensors, skipped {len(self.skipped)}, "
             f"missing {len(self.missing)}"

@@ -12,6 +12,7 @@ distributed-checkpoint state-dict helpers), in the single-device layout.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -60,7 +61,7 @@ class FSDPParts(ModelParts):
             dist.broadcast(buffer, src=0)
 
     @contextlib.contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator[None]:
         """Gradient accumulation: the micro-steps before the last keep whole gradients
         locally; the last reduce-scatters their sum once."""
         self[0].set_requires_gradient_sync(False)
@@ -81,6 +82,7 @@ class FSDPParts(ModelParts):
         return get_model_state_dict(self[0], options=self._options())
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """A full state dict into the sharded model: each rank keeps its shards."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
@@ -89,6 +91,7 @@ class FSDPParts(ModelParts):
         set_model_state_dict(self[0], state, options=StateDictOptions(full_state_dict=True))
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        """The whole optimizer state on rank 0, in the single-device layout (a collective)."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         named = get_optimizer_state_dict(self[0], optimizer, options=self._options())
@@ -97,6 +100,7 @@ class FSDPParts(ModelParts):
         return unified.by_index(named, self.full_names)
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """A single-device-layout optimizer state into the sharded optimizer."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_optimizer_state_dict,

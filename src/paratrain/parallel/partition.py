@@ -52,6 +52,7 @@ class Traced:
 
     @property
     def names(self) -> list[str]:
+        """The units' names, in order."""
         return [unit.name for unit in self.units]
 
 
@@ -236,7 +237,7 @@ def build_stages(
 
 
 def sample_images(
-    image_size: int, batch: int, memory_format=torch.contiguous_format
+    image_size: int, batch: int, memory_format: torch.memory_format = torch.contiguous_format
 ) -> torch.Tensor:
     """Random CPU images to profile with, as many as a stage will compute at once: where
     the time goes depends on the batch (measured, ResNet-18 at 64 px: at 2 images the
@@ -301,6 +302,7 @@ class StagePlan:
 
 
 def describe(traced: Traced, starts: list[int]) -> list[StagePlan]:
+    """Each stage's units, parameters, share of the time and memory: what the plan prints."""
     total = sum(unit.seconds for unit in traced.units) or 1.0
     plans = []
     for units in stage_units(traced, starts):
@@ -317,6 +319,7 @@ def describe(traced: Traced, starts: list[int]) -> list[StagePlan]:
 
 
 def format_plan(plans: list[StagePlan], devices: list[str], batch: int) -> str:
+    """The stage plan as lines, one per stage, with where each stage runs."""
     lines = [f"stage plan ({len(plans)} stages; activations at batch {batch}):"]
     for index, (plan, device) in enumerate(zip(plans, devices, strict=True)):
         span = plan.units[0] if len(plan.units) == 1 else f"{plan.units[0]} .. {plan.units[-1]}"

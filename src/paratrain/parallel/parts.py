@@ -10,11 +10,20 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from paratrain.models.registry import logits_of
+
+
+class StepPrecision(Protocol):
+    """What a forward and backward need of the run's precision (engine.precision)."""
+
+    def autocast(self) -> contextlib.AbstractContextManager: ...
+
+    def backward(self, loss: torch.Tensor) -> None: ...
 
 
 def memory_format_for(
@@ -99,7 +108,12 @@ class ModelParts(list):
         return out
 
     def forward_backward(
-        self, images: torch.Tensor, targets: torch.Tensor, criterion, precision, divisor: int
+        self,
+        images: torch.Tensor,
+        targets: torch.Tensor,
+        criterion: nn.Module,
+        precision: StepPrecision,
+        divisor: int,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """One micro-batch's forward and backward; its loss and logits (None where this
         process does not produce them). The loss's gradient is divided by ``divisor``."""
@@ -122,20 +136,24 @@ class ModelParts(list):
         return optimizer.state_dict()
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """A single-device-layout optimizer state, with this optimizer's own implementation flags and each tensor laid out as its parameter."""
         from paratrain.parallel.unified import load_optimizer, own_implementation
 
         load_optimizer(optimizer, own_implementation(state, optimizer))
 
     @property
     def training(self) -> bool:
+        """Whether every part is in training mode."""
         return all(part.training for part in self)
 
     def train(self, mode: bool = True) -> ModelParts:
+        """Every part to training (or eval) mode."""
         for part in self:
             part.train(mode)
         return self
 
     def eval(self) -> ModelParts:
+        """Every part to eval mode."""
         return self.train(False)
 
     def no_sync(self) -> contextlib.ExitStack:
@@ -148,14 +166,17 @@ class ModelParts(list):
         return stack
 
     def parameters(self) -> Iterator[nn.Parameter]:
+        """Every part's parameters, in order: what the optimizer gets."""
         for part in self:
             yield from part.parameters()
 
     def buffers(self) -> Iterator[torch.Tensor]:
+        """Every part's buffers (BatchNorm statistics)."""
         for part in self:
             yield from part.buffers()
 
     def unwrapped(self) -> list[nn.Module]:
+        """The modules without DDP/DataParallel/compile wrappers: what state dicts are taken from."""
         return [unwrap(part) for part in self]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -166,6 +187,7 @@ class ModelParts(list):
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """A whole-model state dict into the parts: each takes its own keys, strictly."""
         for part in self.unwrapped():
             own = part.state_dict().keys()
             part.load_state_dict({k: v for k, v in state.items() if k in own}, strict=True)

@@ -25,7 +25,7 @@ from paratrain.distributed.runtime import Runtime
 from paratrain.errors import AgreedUserError, UserError
 from paratrain.log import get_logger
 from paratrain.parallel import partition, unified
-from paratrain.parallel.parts import ModelParts
+from paratrain.parallel.parts import ModelParts, StepPrecision
 
 
 class _Loss:
@@ -73,7 +73,15 @@ class PipelineParts(ModelParts):
         dummy = torch.zeros(inputs.shape[0], dtype=torch.long, device=inputs.device)
         return self.schedule.eval(target=dummy if self.last else None)
 
-    def forward_backward(self, images, targets, criterion, precision, divisor):
+    def forward_backward(
+        self,
+        images: torch.Tensor,
+        targets: torch.Tensor,
+        criterion: nn.Module,
+        precision: StepPrecision,
+        divisor: int,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One micro-batched schedule step: the first stage feeds images, the last computes the loss and returns it with the logits; the others return nothing."""
         self.loss.criterion, self.loss.divisor = criterion, divisor
         losses: list[torch.Tensor] = []
         with precision.autocast():
@@ -117,6 +125,7 @@ class PipelineParts(ModelParts):
         return merged
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        """The whole model's optimizer state on rank 0, merged from replica 0's stages (a collective)."""
         own = (
             unified.by_name(optimizer.state_dict(), self.local_names) if self.replica == 0 else None
         )
@@ -126,6 +135,7 @@ class PipelineParts(ModelParts):
         return unified.by_index(unified.merge_named(stages, self.full_names), self.full_names)
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """This stage's share of a whole-model optimizer state."""
         named = unified.by_name(unified.own_implementation(state, optimizer), self.full_names)
         unified.load_optimizer(optimizer, unified.by_index(named, self.local_names))
 

@@ -142,6 +142,7 @@ class SyncBatchNorm(_BatchNorm):
             raise ValueError(f"expected at least 2D input (got {x.dim()}D input)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Global statistics in training (one all-reduce); running statistics in eval mode, with no communication."""
         self._check_input_dim(x)
         use_batch_stats = self.training or not self.track_running_stats
         if not use_batch_stats:
@@ -162,7 +163,9 @@ class SyncBatchNorm(_BatchNorm):
         )
 
     @classmethod
-    def convert(cls, module: nn.Module, process_group=None) -> nn.Module:
+    def convert(
+        cls, module: nn.Module, process_group: dist.ProcessGroup | None = None
+    ) -> nn.Module:
         """Replace every BatchNorm in ``module`` by a SyncBatchNorm with the same state."""
         converted = module
         if isinstance(module, _BatchNorm) and not isinstance(module, cls | nn.SyncBatchNorm):

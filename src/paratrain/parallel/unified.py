@@ -60,7 +60,7 @@ def merge_named(parts: list[dict[str, Any]], names: list[str]) -> dict[str, Any]
 IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
 
-def own_implementation(state: dict[str, Any], optimizer) -> dict[str, Any]:
+def own_implementation(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """A saved state with this optimizer's implementation flags: a checkpoint of fused
     SGD (plain tensors) loads into an FSDP run, whose sharded parameters take foreach."""
     groups = [

@@ -40,11 +40,13 @@ class MetricsWriter:
             writer.writerows(rows)
 
     def read(self) -> list[dict[str, Any]]:
+        """Every row written so far."""
         if not self.jsonl.exists():
             return []
         return [json.loads(line) for line in self.jsonl.read_text().splitlines() if line]
 
     def write(self, row: dict[str, Any]) -> None:
+        """Append one epoch's row to both files."""
         with self.jsonl.open("a") as handle:
             handle.write(json.dumps(row) + "\n")
         new = not self.csv.exists()
@@ -56,6 +58,7 @@ class MetricsWriter:
 
 
 def format_epoch(row: dict[str, Any], epochs: int) -> str:
+    """The line an epoch ends with: rate, losses, accuracies, time and images/s."""
     top5 = f" top5 {row['val_top5']:.1%}" if row.get("val_top5") is not None else ""
     if row.get("val_top1_ema") is not None:
         top5 += f" (EMA top1 {row['val_top1_ema']:.1%})"

@@ -63,6 +63,8 @@ def _row(run: Path) -> dict[str, Any]:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
+    """The table `paratrain runs` prints, one line per run."""
+
     def cell(row: dict[str, Any], key: str) -> str:
         value = row.get(key)
         if key == "best_top1":

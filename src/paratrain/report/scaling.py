@@ -37,6 +37,7 @@ def _pct(x: float) -> str:
 
 
 def format_measured(report: dict) -> str:
+    """What `paratrain scale` prints after measuring: the table, the fitted link, the profile, predicted beside measured, and larger clusters."""
     lines = [
         f"{report['model']} at {report['image_size']}px, batch {report['batch_size']} per "
         f"process, {report['cores']} cores; weak scaling (the batch per process is fixed)"
@@ -153,6 +154,7 @@ def format_measured(report: dict) -> str:
 
 
 def format_calibration(report: dict, source: str) -> str:
+    """What `scale --calibrate` prints: the fit of the user's epoch times and its extrapolation."""
     c = report["calibration"]
     lines = [
         f"calibration from {source} ({len(c['points'])} points): epoch(N) = "

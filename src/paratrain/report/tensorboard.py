@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Board:
@@ -27,9 +30,10 @@ class Board:
             self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
 
     def start_epoch(self) -> None:
+        """Restart the images/s clock at an epoch's first step."""
         self.last = time.perf_counter()
 
-    def add(self, step, global_step: int, lr: float, every: int) -> None:
+    def add(self, step: torch.Tensor, global_step: int, lr: float, every: int) -> None:
         """Count one step's (loss x n, correct, n), a tensor on the device; written (read
         back) every ``every`` steps."""
         self.pending = step if self.pending is None else self.pending + step
@@ -41,6 +45,7 @@ class Board:
             self.step(global_step, loss / n, correct / n, lr, int(n))
 
     def step(self, global_step: int, loss: float, acc: float, lr: float, batch: int) -> None:
+        """Write one step's scalars (rank 0's batch)."""
         now = time.perf_counter()
         seconds, self.last = now - self.last, now
         if self.writer is None:
@@ -53,6 +58,7 @@ class Board:
         )
 
     def epoch(self, row: dict[str, Any]) -> None:
+        """Write every number of an epoch's metrics row."""
         if self.writer is None:
             return
         for key, value in row.items():
@@ -61,6 +67,7 @@ class Board:
         self.writer.flush()
 
     def close(self) -> None:
+        """Flush and close the writer."""
         if self.writer is not None:
             self.writer.close()
 

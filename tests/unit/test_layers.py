@@ -1,0 +1,124 @@
+"""Imports flow one way: the layer order written in docs/architecture.md, and no cycles."""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "src" / "paratrain"
+
+
+def layers() -> list[set[str]]:
+    """The numbered list under '## Layers' in docs/architecture.md, top first; each item
+    names one or more top-level modules or packages of paratrain (peers)."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    found = []
+    for line in section.splitlines():
+        match = re.match(r"^\d+\. `([^`]+)`", line)
+        if match:
+            found.append({name.strip() for name in match[1].split(",")})
+    return found
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = ("paratrain", *path.relative_to(PACKAGE).with_suffix("").parts)
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def imports(known: dict[str, Path]) -> dict[str, set[str]]:
+    """Every import of a paratrain module by another, including those inside functions,
+    resolved to the longest module that exists."""
+
+    def resolve(target: str) -> str | None:
+        parts = target.split(".")
+        while parts:
+            if ".".join(parts) in known:
+                return ".".join(parts)
+            parts.pop()
+        return None
+
+    graph: dict[str, set[str]] = defaultdict(set)
+    for name, path in known.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and node.module.startswith("paratrain")
+            ):
+                targets = [f"{node.module}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names if a.name.startswith("paratrain")]
+            for target in targets:
+                resolved = resolve(target)
+                if resolved and resolved != name:
+                    graph[name].add(resolved)
+    return graph
+
+
+def unit(module: str) -> str:
+    """The top-level module or package a module belongs to ('paratrain' for the root)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] != "__main__" else "paratrain"
+
+
+def test_the_layer_list_names_every_top_level_module():
+    named = set().union(*layers())
+    present = {unit(m) for m in modules()}
+    assert named == present, (
+        f"not in docs/architecture.md: {present - named}; gone: {named - present}"
+    )
+
+
+def test_every_import_goes_down_the_layers():
+    order = {name: index for index, group in enumerate(layers()) for name in group}
+    wrong = []
+    for importer, targets in imports(modules()).items():
+        for target in targets:
+            a, b = unit(importer), unit(target)
+            if a == b:
+                continue
+            if order[b] <= order[a]:  # above, or a peer in the same layer
+                wrong.append(
+                    f"{importer} imports {target} ({a} is layer {order[a] + 1}, {b} {order[b] + 1})"
+                )
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_no_module_imports_itself_around_a_cycle():
+    graph = imports(modules())
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in list(modules()):
+        if v not in index:
+            visit(v)
+    assert not cycles, cycles
