@@ -126,8 +126,10 @@ def preflight(cfg: TrainConfig) -> None:
     this machine cannot run. The model against the image size is checked by every rank
     right after (it needs torchvision, a second of start-up the launcher need not pay)."""
     from paratrain.data.folder import build_split
+    from paratrain.engine.checkpoint import check_run_dir_free
 
     cfg.check_paths()
+    check_run_dir_free(cfg)
     build_split(cfg.data, cfg.val_fraction, cfg.split_seed)
     if cfg.weights:
         from paratrain.models.registry import read_state_dict
@@ -267,7 +269,7 @@ def evaluate(opts: EvalOptions, say: Say = print) -> dict | None:
 
     opts.validate()
     env = detect(os.environ)
-    state = checkpoint.load(opts.checkpoint)
+    state = checkpoint.load(opts.checkpoint, with_optimizer=False)
     saved = TrainConfig.from_dict(state["config"], source=opts.checkpoint)
     data_dir = opts.data or saved.data
     if not data_dir:
@@ -321,7 +323,8 @@ def _evaluate_worker(
     from paratrain.models.registry import create_model
 
     setup_logging(env.rank, env.world_size)
-    with distributed(env, opts.device or saved.device, saved.backend, saved.timeout) as runtime:
+    # this machine's device, not the training run's: a CUDA checkpoint evaluates on a CPU
+    with distributed(env, opts.device, None, saved.timeout) as runtime:
         model = create_model(saved.model, len(split.classes), saved.image_size)
         model.load_state_dict(weights)
         model.to(runtime.device)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 import torchvision
 from test_cli import run_cli
 
 from imagefolders import make_image_folder
+from paratrain.engine import checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +62,7 @@ def runs(tmp_path_factory):
         "--name",
         "fsdp",
         "--resume",
-        "runs/pipe/checkpoints/last.pt",
+        "runs/pipe/checkpoints/last",
         cwd=root,
     )
     single = run_cli(
@@ -73,7 +73,7 @@ def runs(tmp_path_factory):
         "--name",
         "single",
         "--resume",
-        "runs/fsdp/checkpoints/last.pt",
+        "runs/fsdp/checkpoints/last",
         cwd=root,
     )
     return root, data, pipe, fsdp, single
@@ -90,7 +90,9 @@ def test_pipeline_prints_its_plan_and_saves_the_single_device_layout(runs):
     assert pipe.returncode == 0, pipe.stderr
     assert "stage plan (2 stages" in pipe.stdout and "stage 1 on rank 1:" in pipe.stdout
     assert pipe.stdout.count("epoch 1/1") == 1
-    state = torch.load(root / "runs/pipe/checkpoints/last.pt", weights_only=False)
+    folder = root / "runs/pipe/checkpoints/last"
+    assert len(list(folder.glob("*.distcp"))) == 2  # each stage wrote its own shard
+    state = checkpoint.load(folder)  # consolidated in memory: the single-device layout
     reference = torchvision.models.resnet18(num_classes=3)
     assert set(state["model"]) == set(reference.state_dict())
     assert sorted(state["optimizer"]["state"]) == list(range(len(list(reference.parameters()))))
@@ -106,7 +108,7 @@ def test_a_partitioned_checkpoint_evaluates_alike_in_one_process(runs, name):
     done = run_cli(
         "eval",
         "--checkpoint",
-        f"runs/{name}/checkpoints/last.pt",
+        f"runs/{name}/checkpoints/last",
         "--data",
         str(data),
         "--batch-size",
@@ -124,13 +126,15 @@ def test_a_partitioned_checkpoint_evaluates_alike_in_one_process(runs, name):
 def test_checkpoints_move_between_pipeline_fsdp_and_one_process(runs):
     root, _, pipe, fsdp, single = runs
     assert fsdp.returncode == 0, fsdp.stderr
-    assert "resumed from runs/pipe/checkpoints/last.pt at epoch 2" in fsdp.stdout
+    assert "resumed from runs/pipe/checkpoints/last at epoch 2" in fsdp.stdout
     assert "world size 1 -> 2" in fsdp.stdout  # one pipeline replica -> two fsdp ranks
     assert single.returncode == 0, single.stderr
-    assert "resumed from runs/fsdp/checkpoints/last.pt at epoch 3" in single.stdout
+    assert "resumed from runs/fsdp/checkpoints/last at epoch 3" in single.stdout
     assert [r["epoch"] for r in _metrics(root, "fsdp")] == [2]
     assert [r["epoch"] for r in _metrics(root, "single")] == [3]
-    state = torch.load(root / "runs/fsdp/checkpoints/last.pt", weights_only=False)
+    folder = root / "runs/fsdp/checkpoints/last"
+    assert len(list(folder.glob("*.distcp"))) == 2  # each rank wrote its own shards
+    state = checkpoint.load(folder)
     assert not any(k.startswith(("module.", "_orig_mod.", "_fsdp")) for k in state["model"])
     momentum = state["optimizer"]["state"][0]["momentum_buffer"]
     assert momentum.shape == state["model"]["conv1.weight"].shape  # whole, not a shard

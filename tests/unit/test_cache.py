@@ -41,7 +41,7 @@ def test_eval_tensors_are_identical_to_the_decode_path(tmp_path):
     split = build_split(_varied_folder(tmp_path / "d"), val_fraction=0.5)
     everything = split.train + split.val
     cache = prepare(everything, 32, "on", 1.0, str(tmp_path / "cache"), workers=0)
-    assert cache is not None and (cache.directory / "COMPLETE").exists()
+    assert cache is not None and (cache.directory / "manifest.json").exists()
     cached = CachedImages(everything, cache, cached_eval_transform(32))
     decoded = ImageSamples(everything, eval_transform(32), at_least=eval_resize(32))
     for i in range(len(everything)):

@@ -113,7 +113,10 @@ class PredictOptions(Options):
 class ExportOptions(Options):
     checkpoint: str | None = _checkpoint()
     format: str = setting(
-        "pt2", "a torch.export program (.pt2) or safetensors", choices=("pt2", "safetensors")
+        "pt2",
+        "a torch.export program (.pt2), safetensors, or pt: one checkpoint file (a sharded "
+        "checkpoint consolidated: resumable, and usable as --weights)",
+        choices=("pt2", "safetensors", "pt"),
     )
     out: str | None = setting(
         None, "output file", metavar="FILE", default_text="<run>/export/model.<format>"

@@ -38,7 +38,7 @@ class Rule:
     high_open: bool = False
     pattern: str | None = None  # a string must match this regular expression
     pattern_text: str = ""  # what the pattern means, for messages
-    path: str | None = None  # "file" or "dir": must exist (checked by check_paths)
+    path: str | None = None  # "file", "dir" or "entry" (either): must exist (check_paths)
     auto: bool = False  # also accepts the word "auto"
     empty_ok: bool = False  # a string may be empty
     default_text: str = ""  # how the default reads when it is computed, not a value
@@ -220,6 +220,8 @@ def check_paths(options: Any) -> None:
         if s.rule.path == "file" and not path.is_file():
             what = "is a directory, not a file" if path.is_dir() else "does not exist"
             raise UserError(f"{s.flag} file {what}: {value}")
+        if s.rule.path == "entry" and not path.exists():
+            raise UserError(f"{s.flag} does not exist: {value}")
         if s.rule.path == "dir" and not path.is_dir():
             what = "is a file, not a directory" if path.exists() else "does not exist"
             raise UserError(f"{s.flag} directory {what}: {value}")

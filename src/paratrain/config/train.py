@@ -335,9 +335,10 @@ class TrainConfig(Options):
     )
     resume: str | None = setting(
         None,
-        "checkpoint path, or auto for the newest in the run directory",
+        "checkpoint (a .pt file or a sharded checkpoint's folder), or auto for the newest "
+        "in the run directory",
         group="output",
-        path="file",
+        path="entry",
         auto=True,
         metavar="PATH|auto",
     )

@@ -11,11 +11,16 @@ and then all read it; the operating system's page cache shares it between proces
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import math
 import os
+import shutil
+import socket
 import sys
+import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,8 +45,11 @@ from paratrain.data.folder import (
 )
 from paratrain.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_resize
 from paratrain.distributed import comm
+from paratrain.distributed.env import DistEnv
+from paratrain.errors import AgreedUserError
+from paratrain.log import get_logger
 
-CACHE_FORMAT = 3  # 2: every file has a slot, bad.json lists the unreadable; 3: JPEG draft
+CACHE_FORMAT = 4  # 2: every file has a slot; 3: JPEG draft; 4: manifest with checksums
 _ROTATED = {5, 6, 7, 8}  # EXIF orientations that swap width and height
 
 
@@ -108,8 +116,8 @@ class DecodedCache:
     @property
     def bad(self) -> list[tuple[str, str]]:
         """(path, reason) of every file the build could not decode (not stored)."""
-        found = self.directory / "bad.json"
-        return [tuple(pair) for pair in json.loads(found.read_text())] if found.exists() else []
+        manifest = json.loads((self.directory / MANIFEST).read_text())
+        return [tuple(pair) for pair in manifest["bad"]]
 
     @property
     def nbytes(self) -> int:
@@ -128,6 +136,77 @@ class DecodedCache:
         return {**self.__dict__, "_data": None}
 
 
+MANIFEST = "manifest.json"  # written last: a cache without a valid one is not a cache
+BLOCK = 64 * 2**20  # bytes a checksum covers
+_held_locks: dict[str, int] = {}  # cache key -> descriptor of its lock, while building
+
+
+def _checksums(path: Path, size: int) -> list[int]:
+    sums = []
+    with open(path, "rb") as handle:
+        for _ in range(0, max(size, 1), BLOCK):
+            sums.append(zlib.crc32(handle.read(BLOCK)))
+    return sums
+
+
+def _write_manifest(directory: Path, images: int, short: int, bad: list) -> None:
+    data = directory / "data.u8"
+    size = data.stat().st_size
+    manifest = {
+        "format": CACHE_FORMAT,
+        "images": images,
+        "short_side": short,
+        "index_sha256": hashlib.sha256((directory / "index.npy").read_bytes()).hexdigest(),
+        "data_bytes": size,
+        "block_bytes": BLOCK,
+        "blocks": _checksums(data, size),
+        "bad": bad,
+    }
+    tmp = directory / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest) + "\n")
+    _fsync(tmp)
+    os.replace(tmp, directory / MANIFEST)
+
+
+def verify(directory: Path, images: int, short: int) -> str | None:
+    """None when ``directory`` is a whole cache of ``images`` images at ``short``; else
+    what is wrong with it (so the run can say why it builds again)."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+    except FileNotFoundError:
+        return "it has no manifest (an interrupted build)"
+    except (OSError, ValueError) as exc:
+        return f"its manifest cannot be read ({type(exc).__name__})"
+    if not isinstance(manifest, dict) or manifest.get("format") != CACHE_FORMAT:
+        return "it is of another format"
+    if (manifest.get("images"), manifest.get("short_side")) != (images, short):
+        return "it holds other images"
+    try:
+        index = (directory / "index.npy").read_bytes()
+        size = (directory / "data.u8").stat().st_size
+    except OSError as exc:
+        return f"a file of it is missing ({exc.strerror})"
+    if hashlib.sha256(index).hexdigest() != manifest.get("index_sha256"):
+        return "its index differs from its manifest"
+    if size != manifest.get("data_bytes"):
+        return f"its data file has {size} bytes, its manifest says {manifest.get('data_bytes')}"
+    found = _checksums(directory / "data.u8", size)
+    for block, (mine, expected) in enumerate(zip(found, manifest.get("blocks", []), strict=False)):
+        if mine != expected:
+            return f"block {block} of its data differs from its checksum"
+    if len(found) != len(manifest.get("blocks", [])):
+        return "its checksums do not cover its data"
+    return None
+
+
+def _fsync(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
 def prepare(
     samples: Sequence[Sample],
     image_size: int,
@@ -135,24 +214,153 @@ def prepare(
     max_gb: float,
     root: str | None,
     workers: int,
+    env: DistEnv | None = None,
 ) -> DecodedCache | None:
-    """Open or build (all ranks together) the cache of ``samples``; None when it is off.
+    """Open, or build, the cache of ``samples`` on every node of the job; None when off.
+
+    Each node gets a cache holding every image (its ranks read any of them over the
+    epochs), whether or not the nodes share a file system: the local rank 0 of each
+    node plans for its node. A builder takes a file lock, so runs and nodes that share
+    the folder build once while the others wait and reuse it; it writes into a
+    temporary folder, then the manifest (format, shapes, a checksum for each block),
+    then renames the folder into place. A cache that fails its manifest is rebuilt, and
+    the run says why. The cache is used on every node or on none.
 
     Building decodes every image, so it is also the screen for unreadable files: they
-    are listed in ``cache.bad`` (kept with the cache, so a ready cache needs no screen)."""
+    are listed in ``cache.bad`` (kept in the manifest, so a ready cache needs no screen)."""
     if mode == "off":
         return None
+    env = env or DistEnv(
+        rank=comm.rank(),
+        world_size=comm.world_size(),
+        local_rank=comm.rank(),
+        local_world_size=comm.world_size(),
+    )
+    told = False
     short = eval_resize(image_size)
-    plan = _plan(samples, image_size, mode, max_gb, root) if comm.is_main() else None
-    action, directory, reason = comm.broadcast_object(plan)
-    if action == "skip":
-        from paratrain.log import get_logger
+    base = (Path(root) if root else default_cache_dir()) / "decoded"
+    key = cache_key(samples, short)
+    final = base / key
+    while True:
+        mine = None
+        if env.local_rank == 0:
+            mine = _plan_node(samples, image_size, mode, max_gb, base, key)
+        plans = {n: plan for n, plan in comm.all_gather_object((env.node_rank, mine)) if plan}
+        for action, _, reason in plans.values():
+            if action == "error":
+                raise AgreedUserError(reason)
+        skipped = [reason for action, _, reason in plans.values() if action == "skip"]
+        if skipped:
+            get_logger().info(f"decoded-image cache off: {skipped[0]}")
+            return None
+        if all(action == "ready" for action, _, _ in plans.values()):
+            return DecodedCache(final, [p for p, _ in samples])
+        action, directory, reason = plans[env.node_rank]
+        if action == "build" and env.local_rank == 0 and reason:
+            get_logger().warning(f"decoded-image cache {final}: {reason}; building it again")
+        if action == "wait" and env.local_rank == 0:
+            if not told:
+                get_logger().info(f"{reason}; waiting for it")
+                told = True
+            if not any(a == "build" for a, _, _ in plans.values()):
+                time.sleep(1.0)  # another run builds it: look again in a moment
+        building = action == "build"
+        bad = []
+        if building:
+            bad = _build(samples, short, Path(directory), workers, env)
+        bad = sorted({tuple(pair) for part in comm.all_gather_object(bad) for pair in part})
+        if building and env.local_rank == 0:
+            _finish(Path(directory), final, key, len(samples), short, bad)
+        comm.barrier()
 
-        get_logger().info(f"decoded-image cache off: {reason}")
-        return None
-    if action == "build":
-        _build(samples, short, Path(directory), workers)
-    return DecodedCache(Path(directory), [p for p, _ in samples])
+
+def _plan_node(samples, image_size, mode, max_gb, base: Path, key: str) -> tuple[str, str, str]:
+    """(action, folder, why) for this node: "ready" (a valid cache), "build" (into a
+    temporary folder, this process holding the lock), "wait" (another process held the
+    lock: it has finished; look again), "skip" or "error" (why)."""
+    short = eval_resize(image_size)
+    final = base / key
+    problem = verify(final, len(samples), short) if final.exists() else None
+    if final.exists() and problem is None:
+        return "ready", str(final), ""
+    refused = "error" if mode == "on" else "skip"
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        handle = os.open(base / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        where = f"cannot write to {base} ({exc.strerror or exc})"
+        if mode == "on":
+            return "error", "", f"--cache on: {where}"
+        return "skip", "", f"{where}; decoding every epoch"
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:  # never block here: the holder may be a node of this job
+        os.close(handle)
+        return "wait", "", f"another process is building the decoded-image cache {final}"
+    problem = verify(final, len(samples), short) if final.exists() else None
+    if final.exists() and problem is None:  # finished while we looked
+        os.close(handle)
+        return "ready", str(final), ""
+    plan = survey(samples, image_size, mode, max_gb, str(base.parent))
+    if plan.action == "skip":
+        os.close(handle)
+        return "skip", "", plan.reason
+    free = shutil.disk_usage(base).free
+    if free < plan.nbytes + 64 * 2**20:
+        os.close(handle)
+        where = (
+            f"the decoded images need {plan.nbytes / 2**30:.2f} GB and {base} has "
+            f"{free / 2**30:.2f} GB free"
+        )
+        return refused, "", f"--cache on: {where}" if mode == "on" else f"{where}"
+    tmp = base / f".{key}.tmp-{socket.gethostname()}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    sizes = plan.shapes[:, 0] * plan.shapes[:, 1] * 3
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    np.save(tmp / "index.npy", np.column_stack([offsets, plan.shapes]))
+    with open(tmp / "data.u8", "wb") as data:
+        data.truncate(max(plan.nbytes, 1))
+    _held_locks[key] = handle
+    return "build", str(tmp), (f"it failed its check: {problem}" if problem else "")
+
+
+def _finish(tmp: Path, final: Path, key: str, images: int, short: int, bad: list) -> None:
+    """The node's builder: the data on disk, the manifest last, the folder renamed into
+    place (an invalid old one out of the way first), the lock let go."""
+    _fsync(tmp / "data.u8")  # every process's writes reach the disk before the manifest
+    _write_manifest(tmp, images, short, [list(pair) for pair in bad])
+    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    if final.exists():
+        os.rename(final, old)
+    os.rename(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+    handle = _held_locks.pop(key, None)
+    if handle is not None:
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        os.close(handle)
+
+
+def _build(samples, short: int, directory: Path, workers: int, env: DistEnv) -> list:
+    """This rank's share of its node's build: every local_world-th image from its local
+    rank on, written straight into the data file. Returns (path, why) of the unreadable."""
+    local_rank, local_world = env.local_rank, env.local_world_size
+    paths = [p for p, _ in samples]
+    decode = _Decode(paths, list(range(local_rank, len(paths), local_world)), short, directory)
+    loader = DataLoader(decode, batch_size=None, num_workers=workers)
+    bad = []
+    with tqdm(
+        total=len(paths),
+        desc="building image cache",
+        unit="img",
+        delay=1.0,
+        disable=local_rank != 0 or not sys.stderr.isatty(),
+        leave=False,
+    ) as bar:
+        for done in loader:
+            bad += [(paths[i], problem) for i, problem in done if problem]
+            bar.update(local_world * len(done))
+    return bad
 
 
 def _stored_shape_or_empty(path: str, short: int) -> tuple[int, int]:
@@ -184,7 +392,7 @@ def survey(
     if mode == "off":
         return CachePlan("skip", None, 0, "--cache off")
     directory = base / cache_key(samples, short)
-    if (directory / "COMPLETE").exists():
+    if (directory / MANIFEST).exists() and verify(directory, len(samples), short) is None:
         return CachePlan("ready", directory, DecodedCache(directory).nbytes)
     shapes = np.array(
         [
@@ -205,50 +413,6 @@ def survey(
         reason = f"the decoded images need {total / 2**30:.1f} GB, over --cache-max-gb {max_gb:g}"
         return CachePlan("skip", directory, total, reason)
     return CachePlan("build", directory, total, shapes=shapes)
-
-
-def _plan(samples, image_size: int, mode: str, max_gb: float, root) -> tuple[str, str, str]:
-    plan = survey(samples, image_size, mode, max_gb, root)
-    if plan.action != "build":
-        return plan.action, str(plan.directory or ""), plan.reason
-    directory = plan.directory
-    directory.mkdir(parents=True, exist_ok=True)
-    sizes = plan.shapes[:, 0] * plan.shapes[:, 1] * 3
-    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    np.save(directory / "index.npy", np.column_stack([offsets, plan.shapes]))
-    with open(directory / "data.u8", "wb") as handle:
-        handle.truncate(max(plan.nbytes, 1))
-    return "build", str(directory), ""
-
-
-def _build(samples, short: int, directory: Path, workers: int) -> None:
-    rank, world = comm.rank(), comm.world_size()
-    paths = [p for p, _ in samples]
-    decode = _Decode(paths, list(range(rank, len(paths), world)), short, directory)
-    loader = DataLoader(decode, batch_size=None, num_workers=workers)
-    bad = []
-    with tqdm(
-        total=len(paths),
-        desc="building image cache",
-        unit="img",
-        delay=1.0,
-        disable=rank != 0 or not sys.stderr.isatty(),
-        leave=False,
-    ) as bar:
-        for done in loader:
-            bad += [(paths[i], problem) for i, problem in done if problem]
-            bar.update(world * len(done))
-    del decode, loader
-    descriptor = os.open(directory / "data.u8", os.O_RDONLY)
-    try:  # every process's writes reach the disk before COMPLETE says they did
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-    bad = sorted(pair for part in comm.all_gather_object(bad) for pair in part)
-    if rank == 0:
-        (directory / "bad.json").write_text(json.dumps(bad) + "\n")
-        (directory / "COMPLETE").write_text(json.dumps({"images": len(paths)}) + "\n")
-    comm.barrier()
 
 
 class CachedImages(ImageSamples):

@@ -10,6 +10,7 @@ Two layouts are accepted:
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -151,10 +152,23 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
-IMAGE_ERRORS = (UnidentifiedImageError, OSError, ValueError, SyntaxError)
+# what opening or decoding a file that is not a usable image raises; a decompression
+# bomb (more than twice Pillow's MAX_IMAGE_PIXELS) is one of them
+IMAGE_ERRORS = (
+    UnidentifiedImageError,
+    OSError,
+    ValueError,
+    SyntaxError,
+    Image.DecompressionBombError,
+)
 
 
 def _problem(exc: BaseException) -> str:
+    if isinstance(exc, Image.DecompressionBombError):
+        pixels = re.search(r"\((\d+) pixels\)", str(exc))
+        count = f"{int(pixels[1]):,} pixels" if pixels else "too many pixels"
+        limit = 2 * (Image.MAX_IMAGE_PIXELS or 0)
+        return f"{count}, over Pillow's decompression-bomb limit of {limit:,}"
     return str(exc).split("\n")[0] or type(exc).__name__
 
 

@@ -21,10 +21,11 @@ from paratrain.data.cache import (
     prepare,
 )
 from paratrain.data.folder import DataSplit, ImageSamples
-from paratrain.data.samplers import ShardedEvalSampler, train_sampler
+from paratrain.data.samplers import ShardedEvalSampler, TrainBatches, TrainSampler, train_sampler
 from paratrain.data.scan import screen
 from paratrain.data.transforms import eval_samples, train_transform
 from paratrain.distributed.runtime import Runtime, threads_per_process
+from paratrain.errors import AgreedUserError
 
 
 def default_workers(local_world_size: int) -> int:
@@ -62,7 +63,13 @@ def prepare_data(
     without a cache every image is decoded once just to check it."""
     workers = decode_workers(cfg, runtime)
     cache = prepare(
-        split.train + split.val, cfg.image_size, cfg.cache, cfg.cache_max_gb, cfg.cache_dir, workers
+        split.train + split.val,
+        cfg.image_size,
+        cfg.cache,
+        cfg.cache_max_gb,
+        cfg.cache_dir,
+        workers,
+        runtime.env,
     )
     found = cache.bad if cache is not None else None
     screened = screen(
@@ -75,6 +82,7 @@ def prepare_data(
 class Loaders:
     train: DataLoader
     val: DataLoader
+    sampler: TrainSampler  # the training order: set_epoch(epoch, consumed) each epoch
     workers: int  # loader processes per rank
     cached: bool  # read from the decoded-image cache
 
@@ -92,7 +100,6 @@ def make_loaders(
     validation batches of its exact shard; ``fixed_batch``: drop a short last batch."""
     workers = loader_workers(cfg, runtime, cached=cache is not None)
     common = dict(
-        batch_size=cfg.batch_size,
         num_workers=workers,
         pin_memory=runtime.device.type == "cuda",
         persistent_workers=workers > 0,
@@ -107,7 +114,13 @@ def make_loaders(
         train_set = ImageSamples(split.train, transform)
         val_set = eval_samples(split.val, cfg.image_size)
     sampler = train_sampler(len(train_set), replica, replicas, cfg.seed)
-    train = DataLoader(train_set, sampler=sampler, drop_last=fixed_batch, **common)
+    if len(sampler) == 1:
+        raise AgreedUserError(
+            f"{len(train_set)} training image(s) give each of {replicas} model copies 1 image "
+            "an epoch, and BatchNorm needs 2 a step: use fewer processes or more images"
+        )
+    batches = TrainBatches(sampler, cfg.batch_size, drop_last=fixed_batch)
+    train = DataLoader(train_set, batch_sampler=batches, **common)
     val_sampler = ShardedEvalSampler(len(val_set), replica, replicas)
-    val = DataLoader(val_set, sampler=val_sampler, **common)
-    return Loaders(train, val, workers, cache is not None)
+    val = DataLoader(val_set, sampler=val_sampler, batch_size=cfg.batch_size, **common)
+    return Loaders(train, val, sampler, workers, cache is not None)

@@ -52,6 +52,40 @@ class TrainSampler(Sampler[tuple[int, int]]):
         return len(range(self.consumed + self.rank, total, self.world_size))
 
 
+class TrainBatches(Sampler):
+    """The sampler's samples in batches of ``batch_size``, where a last batch of a
+    single sample is folded into the batch before it (batch_size + 1 samples): BatchNorm
+    cannot normalise one sample in training, and a one-image step would be mostly noise.
+    Folding rather than dropping keeps every sample in the epoch. Every rank holds the
+    same number of samples (TrainSampler pads), so every rank folds alike.
+    ``drop_last``: only full batches (a pipeline's fixed micro-batches)."""
+
+    def __init__(self, sampler: TrainSampler, batch_size: int, drop_last: bool = False):
+        self.sampler, self.batch_size, self.drop_last = sampler, batch_size, drop_last
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        held: list | None = None  # a full batch, held back in case the last one folds in
+        batch: list = []
+        for item in self.sampler:
+            batch.append(item)
+            if len(batch) == self.batch_size:
+                if held is not None:
+                    yield held
+                held, batch = batch, []
+        if batch and not self.drop_last and len(batch) == 1 and held is not None:
+            held, batch = held + batch, []
+        if held is not None:
+            yield held
+        if batch and not self.drop_last:
+            yield batch
+
+    def __len__(self) -> int:
+        full, rest = divmod(len(self.sampler), self.batch_size)
+        if self.drop_last or (rest == 1 and full):
+            return full
+        return full + (rest > 0)
+
+
 def train_sampler(dataset_len: int, rank: int, world_size: int, seed: int) -> TrainSampler:
     """The training sampler of one shard of ``replicas``."""
     return TrainSampler(dataset_len, rank, world_size, seed)

@@ -7,10 +7,13 @@ the same code runs on one process.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from paratrain.errors import AgreedUserError, UserError
 
 T = TypeVar("T")
 
@@ -58,6 +61,24 @@ def broadcast_object(obj: T, src: int = 0) -> T:
     holder = [obj]
     dist.broadcast_object_list(holder, src=src, device=comm_device())
     return holder[0]
+
+
+def agree(decide: Callable[[], T]) -> T:
+    """``decide()`` on rank 0, and its value, or its UserError, on every rank: for a
+    decision rank 0 makes alone (a run directory, a cache plan) whose failure must not
+    leave the other ranks waiting in the next collective. The error is told once."""
+    outcome: tuple[str, Any] | None = None
+    if is_main():
+        try:
+            outcome = ("value", decide())
+        except UserError as exc:
+            outcome = ("error", (str(exc), exc.exit_code))
+    kind, payload = broadcast_object(outcome)
+    if kind == "error":
+        error = AgreedUserError(payload[0])
+        error.exit_code = payload[1]
+        raise error
+    return payload
 
 
 def all_gather_object(obj: Any) -> list[Any]:

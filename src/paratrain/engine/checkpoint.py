@@ -10,6 +10,8 @@ file, flushed, fsynced and renamed, so a reader sees the old file or the new one
 from __future__ import annotations
 
 import os
+import pickle
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -19,8 +21,9 @@ import torch
 
 from paratrain.config import TrainConfig
 from paratrain.distributed.runtime import Runtime
+from paratrain.engine import sharded
 from paratrain.engine.recipe import Recipe
-from paratrain.engine.schedule import effective_lr, lr_factor, peak_lr
+from paratrain.engine.schedule import lr_factor, peak_lr
 from paratrain.engine.state import Progress, gathered_rng_states, restore_rng
 from paratrain.errors import UserError
 from paratrain.log import get_logger
@@ -73,15 +76,28 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def load(path: str | Path) -> dict[str, Any]:
-    """A checkpoint file as a dict; anything else is one line naming the file."""
+def load(path: str | Path, with_optimizer: bool = True) -> dict[str, Any]:
+    """A checkpoint as a dict in the single-file layout (a sharded folder consolidated
+    in memory), read as data: tensors and plain values only (``weights_only``), so a
+    file from anywhere cannot run code. Anything else is one line naming the file."""
     path = Path(path)
+    if path.is_dir():
+        found = sharded.find(path)
+        if found is None:
+            raise UserError(f"{path} is a folder but not a sharded paratrain checkpoint")
+        return sharded.consolidate(found, with_optimizer)
     if not path.is_file():
         raise UserError(f"checkpoint not found: {path}")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise UserError(
+            f"{path} holds objects other than tensors and plain values; paratrain reads "
+            "checkpoints as data only, so it was not loaded (nothing in it ran)"
+        ) from None
     except Exception as exc:
-        raise UserError(f"checkpoint {path} could not be read: {exc}") from None
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"checkpoint {path} could not be read: {reason}") from None
     if not isinstance(state, dict) or "model" not in state:
         raise UserError(f"{path} is not a paratrain checkpoint (no 'model' entry)")
     return state
@@ -94,21 +110,28 @@ def run_dir_of(path: str | Path) -> Path | None:
 
 
 def find_resumable(output_dir: Path, name: str | None) -> Path | None:
-    """``--resume auto``: last.pt of the named run, else of the newest run that has one."""
-    if name:
-        candidate = output_dir / name / "checkpoints" / LAST
-        return candidate if candidate.is_file() else None
-    found = sorted(
-        output_dir.glob(f"*/checkpoints/{LAST}"), key=lambda p: p.stat().st_mtime, reverse=True
-    )
-    return found[0] if found else None
+    """``--resume auto``: the last checkpoint (last.pt, or a sharded last/) of the named
+    run, else of the newest run that has one."""
+    runs = [output_dir / name] if name else [p for p in output_dir.glob("*") if p.is_dir()]
+    found = []
+    for run in runs:
+        single = run / "checkpoints" / LAST
+        candidates = [single] if single.is_file() else []
+        folder = sharded.find(run / "checkpoints" / "last")
+        candidates += [folder] if folder is not None else []
+        found += [(c.stat().st_mtime, c) for c in candidates]
+    return max(found)[1] if found else None
 
 
 def prune_epochs(directory: Path, keep: int) -> None:
-    """Keep the newest ``keep`` epoch-NNNN.pt files (last.pt and best.pt are separate)."""
-    epochs = sorted(directory.glob("epoch-*.pt"))
+    """Keep the newest ``keep`` epoch-NNNN checkpoints (files or sharded folders); last
+    and best are separate."""
+    epochs = sorted(p for p in directory.glob("epoch-*") if p.suffix in (".pt", ""))
     for old in epochs[: max(0, len(epochs) - keep)]:
-        old.unlink(missing_ok=True)
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
 
 
 def samples_per_step(cfg: TrainConfig, replicas: int) -> int:
@@ -116,28 +139,55 @@ def samples_per_step(cfg: TrainConfig, replicas: int) -> int:
     return cfg.batch_size * replicas * cfg.grad_accum
 
 
+def holds_a_run(run_dir: Path) -> bool:
+    """Whether a run already wrote into ``run_dir``."""
+    return (run_dir / "config.yaml").exists() or any((run_dir / "checkpoints").glob("*.pt"))
+
+
+def check_run_dir_free(cfg: TrainConfig) -> None:
+    """A named run that exists is continued (--resume) or left alone (another --name):
+    never overwritten."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if cfg.name and cfg.resume is None and not restarted:
+        run_dir = Path(cfg.output_dir) / cfg.name
+        if holds_a_run(run_dir):
+            raise UserError(
+                f"{run_dir} already holds a run: --resume auto continues it, another "
+                "--name starts a new one"
+            )
+
+
 def resolve_run(cfg: TrainConfig) -> tuple[Path, Path | None]:
     """The run directory and the checkpoint to resume from (None: a fresh start). Rank 0
-    decides; every rank is told."""
+    decides (see comm.agree); an existing run is never overwritten."""
     output = Path(cfg.output_dir)
     resume = cfg.resume
     if resume is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         resume = "auto"  # a restarted worker continues from the last checkpoint
+    check_run_dir_free(cfg)
     resume_from: Path | None = None
     if resume == "auto":
         resume_from = find_resumable(output, cfg.name)
     elif resume:
         resume_from = Path(resume)
-        if not resume_from.is_file():
+        if not resume_from.exists():
             raise UserError(f"--resume: checkpoint not found: {resume_from}")
     if cfg.name:
         name = cfg.name
     elif resume_from is not None and run_dir_of(resume_from) is not None:
         name = run_dir_of(resume_from).name
-    else:
-        name = time.strftime("%Y%m%d-%H%M%S")
+    else:  # a timestamp; a second run started in the same second gets the next free name
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        name = next(
+            candidate
+            for candidate in (stamp, *(f"{stamp}-{i}" for i in range(2, 1000)))
+            if not (output / candidate).exists()
+        )
     run_dir = output / name
-    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    try:
+        (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--output-dir: cannot create {run_dir}: {exc.strerror or exc}") from None
     return run_dir, resume_from
 
 
@@ -160,18 +210,44 @@ class Checkpointer:
         self.classes, self.recipe = classes, recipe
 
     def save(self, progress: Progress, val_top1: float | None = None) -> None:
-        """A collective: every rank calls it; rank 0 writes."""
+        """A collective: every rank calls it. Sharded strategies (fsdp, pipeline) write
+        their shards each (folders last/, best/, epoch-NNNN/); the others hand rank 0
+        the whole state, which it writes as one file (last.pt, best.pt, epoch-NNNN.pt)."""
         rng = gathered_rng_states()
-        if self.runtime.is_main or self.parts.collective_state:  # staged or sharded: all give
+        rest = self._rest(progress, val_top1, rng)
+        if self.parts.collective_state:
+            sharded.save(self.dir / "last", self.parts, self.optimizer, rest)
+            if self.runtime.is_main and val_top1 is not None:
+                self._keep_copies(self.dir / "last", "", progress, val_top1, sharded.link_copy)
+            return
+        if self.runtime.is_main:
             model = self.parts.state_dict()
             optimizer = self.parts.optimizer_state_dict(self.optimizer)
         if not self.runtime.is_main:
             return
+        state = {"model": model, "optimizer": optimizer, **rest}
+        last = self.dir / LAST
+        save_atomic(state, last)
+        if val_top1 is not None:
+            self._keep_copies(
+                last, ".pt", progress, val_top1, lambda src, dst: copy_atomic(state, src, dst)
+            )
+
+    def _keep_copies(
+        self, last: Path, suffix: str, progress: Progress, val_top1: float, copy
+    ) -> None:
+        """best (by validation top-1) and the newest --keep epochs, as copies of last."""
+        if val_top1 >= progress.best_top1:
+            copy(last, self.dir / f"best{suffix}")
+        if self.cfg.keep:
+            copy(last, self.dir / f"epoch-{progress.epoch:04d}{suffix}")
+            prune_epochs(self.dir, self.cfg.keep)
+
+    def _rest(self, progress: Progress, val_top1: float | None, rng: list) -> dict[str, Any]:
+        """Everything a checkpoint holds besides the model's and optimizer's tensors."""
         ema, scaler = self.recipe.ema, self.recipe.precision.scaler
-        state = {
-            "model": model,
+        return {
             "ema": ema.state_dict() if ema is not None else None,
-            "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict(),
             "scaler": scaler.state_dict() if scaler is not None else None,
             "epoch": progress.epoch,
@@ -190,15 +266,87 @@ class Checkpointer:
             "strategy": self.cfg.strategy,
             "lr": self.optimizer.param_groups[0]["lr"],
         }
-        last = self.dir / LAST
-        save_atomic(state, last)
-        if val_top1 is None:
-            return
-        if val_top1 >= progress.best_top1:
-            copy_atomic(state, last, self.dir / BEST)
-        if self.cfg.keep:
-            copy_atomic(state, last, self.dir / f"epoch-{progress.epoch:04d}.pt")
-            prune_epochs(self.dir, self.cfg.keep)
+
+
+# settings a checkpoint cannot continue under, and why
+FIXED_ON_RESUME = {
+    "model": "its weights belong to another architecture",
+    "opt": "its optimizer state belongs to another optimizer",
+    "freeze_backbone": "its optimizer state covers other parameters",
+    "split_seed": "the train/val split would change",
+    "val_fraction": "the train/val split would change",
+}
+# settings that take effect on resume without being worth a word
+QUIET_ON_RESUME = {
+    "data",
+    "workers",
+    "bad_images",
+    "cache",
+    "cache_max_gb",
+    "cache_dir",
+    "weights",
+    "weights_strict",
+    "nproc",
+    "strategy",
+    "devices",
+    "stages",
+    "microbatches",
+    "schedule",
+    "split_points",
+    "backend",
+    "device",
+    "timeout",
+    "max_restarts",
+    "master_port",
+    "keep",
+    "save_every_steps",
+    "requeue",
+    "preempt_grace",
+    "output_dir",
+    "name",
+    "resume",
+    "tensorboard",
+    "compile",
+    "memory_format",
+    "bucket_cap_mb",
+    "grad_compression",
+}
+
+
+def check_resumable(
+    state: dict, cfg: TrainConfig, classes: list[str], path: Path
+) -> tuple[TrainConfig, list[str]]:
+    """The checkpoint's config, and the settings that differ from it and take effect.
+    What cannot continue is one line with every difference and what to do."""
+    saved = TrainConfig.from_dict(state["config"], source=str(path))
+    refused = []
+    for key, why in FIXED_ON_RESUME.items():
+        old, new = getattr(saved, key), getattr(cfg, key)
+        if old != new:
+            flag = "--" + key.replace("_", "-")
+            refused.append(f"{flag} {new} but the checkpoint has {old} ({why})")
+    if state.get("classes") != classes:
+        old, new = state.get("classes") or [], classes
+        refused.append(
+            f"the data's classes ({len(new)}: {', '.join(new[:4])}...) are not the "
+            f"checkpoint's ({len(old)}: {', '.join(old[:4])}...)"
+        )
+    if state.get("step_in_epoch") and saved.seed != cfg.seed:
+        refused.append(
+            f"--seed {cfg.seed} but the checkpoint's epoch is part done under seed "
+            f"{saved.seed} (the rest of the epoch follows that order)"
+        )
+    if refused:
+        raise UserError(
+            f"cannot resume from {path}: " + "; ".join(refused) + " — resume with the "
+            f"checkpoint's settings, or start a new run from its weights (--weights {path})"
+        )
+    changed = [
+        f"{key} {getattr(saved, key)} -> {getattr(cfg, key)}"
+        for key in saved.to_dict()
+        if key not in QUIET_ON_RESUME and getattr(saved, key) != getattr(cfg, key)
+    ]
+    return saved, changed
 
 
 def resume(
@@ -209,11 +357,24 @@ def resume(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     recipe: Recipe,
+    classes: list[str],
 ) -> Progress:
-    """Put the run back where the checkpoint left it; returns where training stands."""
+    """Put the run back where the checkpoint left it, under this run's settings where
+    they may differ (batch, accumulation, world size, rates, epochs: handled exactly;
+    the rest refused in check_resumable); returns where training stands."""
     log = get_logger()
-    state = load(path)
-    parts.load_state_dict(state["model"])
+    folder = sharded.find(path) if path.is_dir() else None
+    in_shards = folder is not None and parts.collective_state
+    state = sharded.read_state(folder) if in_shards else load(path)
+    saved, changed = check_resumable(state, cfg, classes, path)
+    if in_shards:  # each rank reads its own shards, resharded: nothing whole anywhere
+        sharded.load_into(folder, parts, optimizer, state)
+    else:
+        try:
+            parts.load_state_dict(state["model"])
+        except RuntimeError as exc:
+            first = str(exc).strip().splitlines()[0]
+            raise UserError(f"{path}: its weights do not fit this model ({first[:160]})") from None
     ema, scaler = recipe.ema, recipe.precision.scaler
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
@@ -222,7 +383,8 @@ def resume(
             ema.load_state_dict(state["ema"])
         else:
             log.warning(f"{path} holds no EMA weights: the average starts from the resumed ones")
-    parts.load_optimizer_state_dict(optimizer, state["optimizer"])
+    if not in_shards:
+        parts.load_optimizer_state_dict(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     restore_rng(state.get("rng"), runtime.rank)
     progress = Progress(
@@ -233,43 +395,42 @@ def resume(
         skipped_steps=state.get("skipped_steps", 0),
         best_top1=state.get("best_top1", -1.0),
     )
-    old_world = state.get("world_size", parts.replicas)
-    if old_world != parts.replicas:
-        _rescale(state, cfg, parts.replicas, optimizer, scheduler, progress)
+    old_replicas = state.get("world_size", parts.replicas)
+    _continue_schedule(saved, old_replicas, cfg, parts.replicas, optimizer, scheduler)
+    if samples_per_step(saved, old_replicas) != samples_per_step(cfg, parts.replicas):
+        # the epoch goes on from the same sample of its order: nothing skipped or repeated
+        progress.step_in_epoch = progress.consumed // samples_per_step(cfg, parts.replicas)
     elif state.get("partial_totals") is not None and runtime.is_main:
         progress.totals = state["partial_totals"]  # rank 0 carries the epoch's sums so far
     where = f"epoch {progress.epoch + 1}" + (
         f", step {progress.step_in_epoch}" if progress.step_in_epoch else ""
     )
     log.info(f"resumed from {path} at {where}")
+    if changed:
+        log.info("settings changed since the checkpoint: " + ", ".join(changed))
     return progress
 
 
-def _rescale(
-    state: dict, cfg: TrainConfig, replicas: int, optimizer, scheduler, progress: Progress
+def _continue_schedule(
+    saved: TrainConfig, old_replicas: int, cfg: TrainConfig, replicas: int, optimizer, scheduler
 ) -> None:
-    """Another number of model replicas (data-parallel world size): the global batch
-    changes, and with it the scaled lr."""
-    old_world, old_batch = state["world_size"], state["config"]["batch_size"]
-    old_accum = state["config"].get("grad_accum", 1)
-    new_lr = peak_lr(cfg, replicas)
-    old_lr = effective_lr(
-        state["config"]["lr"], old_world * old_accum, state["config"]["lr_scaling"]
-    )
+    """The schedule continues at its epoch under this run's rates: the peak for this
+    global batch, warm-up, end, epochs; momentum and weight decay as given now."""
+    new_lr, old_lr = peak_lr(cfg, replicas), peak_lr(saved, old_replicas)
     scheduler.base_lrs = [new_lr for _ in scheduler.base_lrs]
     factor = lr_factor(scheduler.last_epoch, cfg.epochs, cfg.lrf, cfg.warmup_epochs)
     for group in optimizer.param_groups:
         group["lr"] = new_lr * factor
         group["initial_lr"] = new_lr
-    per_step = samples_per_step(cfg, replicas)
-    if progress.step_in_epoch and (progress.consumed % per_step):
-        get_logger().warning(
-            "the interrupted epoch resumes at a sample offset that does not "
-            "divide by the new global batch; the step count is rounded down"
+        group["weight_decay"] = cfg.weight_decay
+        if "momentum" in group:
+            group["momentum"] = cfg.momentum
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    if old_replicas != replicas:
+        get_logger().info(
+            f"world size {old_replicas} -> {replicas}: global batch "
+            f"{samples_per_step(saved, old_replicas)} -> {samples_per_step(cfg, replicas)}, "
+            f"lr {old_lr:g} -> {new_lr:g}"
         )
-    progress.step_in_epoch = progress.consumed // per_step
-    progress.consumed = progress.step_in_epoch * per_step
-    get_logger().info(
-        f"world size {old_world} -> {replicas}: global batch "
-        f"{old_batch * old_world * old_accum} -> {per_step}, lr {old_lr:g} -> {new_lr:g}"
-    )
+    elif old_lr != new_lr:
+        get_logger().info(f"peak lr {old_lr:g} -> {new_lr:g}")

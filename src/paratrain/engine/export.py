@@ -20,6 +20,8 @@ def default_output(checkpoint_path: str, fmt: str, ema: bool) -> Path:
     from paratrain.engine.checkpoint import run_dir_of
 
     path, run, suffix = Path(checkpoint_path), run_dir_of(checkpoint_path), "-ema" if ema else ""
+    if path.is_dir():  # a sharded checkpoint's folder: name the file after it
+        path = path.with_name(path.name + ".pt")
     if run is not None:
         return run / "export" / f"model{suffix}.{fmt}"
     return path.with_name(f"{path.stem}{suffix}.{fmt}")
@@ -28,10 +30,12 @@ def default_output(checkpoint_path: str, fmt: str, ema: bool) -> Path:
 def export(
     checkpoint_path: str, fmt: str, out: str | None = None, ema: bool = False
 ) -> dict[str, str]:
-    """Write the export and class_indices.json; return their paths. ``fmt``: pt2 or
-    safetensors (checked with the command's options)."""
+    """Write the export and class_indices.json; return their paths. ``fmt``: pt2,
+    safetensors or pt (checked with the command's options)."""
     from paratrain.engine.predict import load_for_inference
 
+    if fmt == "pt":
+        return _save_checkpoint(checkpoint_path, out or default_output(checkpoint_path, fmt, ema))
     model, cfg, classes = load_for_inference(checkpoint_path, torch.device("cpu"), ema)
     target = Path(out) if out else default_output(checkpoint_path, fmt, ema)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -49,6 +53,22 @@ def export(
     else:
         _save_safetensors(model, meta, target)
     index = target.parent / "class_indices.json"
+    index.write_text(json.dumps({str(i): c for i, c in enumerate(classes)}, indent=2) + "\n")
+    return {"export": str(target), "class_indices": str(index)}
+
+
+def _save_checkpoint(checkpoint_path: str, target: str | Path) -> dict[str, str]:
+    """One checkpoint file with everything a checkpoint holds: a sharded checkpoint's
+    shards consolidated (model whole, optimizer in the single-device layout)."""
+    from paratrain.engine import checkpoint
+
+    state = checkpoint.load(checkpoint_path)
+    state.pop("optimizer_groups", None)
+    state.pop("sharded", None)
+    target = Path(target)
+    checkpoint.save_atomic(state, target)
+    index = target.parent / "class_indices.json"
+    classes = state["classes"]
     index.write_text(json.dumps({str(i): c for i, c in enumerate(classes)}, indent=2) + "\n")
     return {"export": str(target), "class_indices": str(index)}
 

@@ -53,7 +53,7 @@ def load_for_inference(
     checkpoint_path: str, device: torch.device, ema: bool = False
 ) -> tuple[torch.nn.Module, TrainConfig, list[str]]:
     """The checkpoint's model (eval mode), its config and its class names."""
-    state = checkpoint.load(checkpoint_path)
+    state = checkpoint.load(checkpoint_path, with_optimizer=False)
     cfg = TrainConfig.from_dict(state["config"], source=checkpoint_path)
     model = create_model(cfg.model, len(state["classes"]), cfg.image_size)
     model.load_state_dict(weights_of(state, checkpoint_path, ema))

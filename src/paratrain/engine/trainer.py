@@ -94,7 +94,7 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
         check_input_size(cfg.model, cfg.image_size)
     except UserError as exc:
         raise AgreedUserError(str(exc)) from None
-    run_dir, resume_from = comm.broadcast_object(resolve_run(cfg) if runtime.is_main else None)
+    run_dir, resume_from = comm.agree(lambda: resolve_run(cfg))
     cache, split = prepare_data(cfg, split, runtime, run_dir)
     classes = len(split.classes)
     parts = parallelize(build_model(cfg, classes), cfg, runtime)
@@ -105,7 +105,12 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
     seed_everything(cfg.seed + 1000 * runtime.rank)  # model randomness (dropout) differs per rank
     progress = Progress()
     if resume_from is not None:
-        progress = resume(resume_from, cfg, runtime, parts, optimizer, scheduler, recipe)
+        try:  # the same checkpoint and settings on every rank: told once
+            progress = resume(
+                resume_from, cfg, runtime, parts, optimizer, scheduler, recipe, split.classes
+            )
+        except UserError as exc:
+            raise AgreedUserError(str(exc)) from None
     progress.totals = progress.totals.to(parts.output_device)  # summed where computed
     loaders = make_loaders(
         cfg, split, runtime, cache, parts.replica, parts.replicas, parts.fixed_batch
@@ -169,8 +174,8 @@ def train_epoch(run: Run, epoch: int) -> float:
     """One epoch of optimizer steps over this replica's shard; returns its seconds."""
     cfg, parts, progress = run.cfg, run.parts, run.progress
     loader = run.loaders.train
-    loader.sampler.set_epoch(epoch, progress.consumed)  # a new order every epoch
-    bar = progress_bar(run.runtime, len(loader.sampler) * parts.replicas, epoch, cfg.epochs)
+    run.loaders.sampler.set_epoch(epoch, progress.consumed)  # a new order every epoch
+    bar = progress_bar(run.runtime, len(run.loaders.sampler) * parts.replicas, epoch, cfg.epochs)
     run.board.start_epoch()
     parts.train()
     run.optimizer.zero_grad(set_to_none=True)

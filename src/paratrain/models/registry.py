@@ -153,6 +153,12 @@ def classifier_head(model: nn.Module, name: str = "") -> str:
     )
 
 
+def _stay_in_eval(module: nn.Module, _args: tuple) -> None:
+    """A frozen BatchNorm normalises with its running statistics and never updates them,
+    whatever mode the model was put in: training the head must not move the backbone."""
+    module.training = False
+
+
 def freeze_backbone(model: nn.Module, name: str = "") -> tuple[str, int, int]:
     """Only the head trains: returns (head attribute, trained parameters, all parameters)."""
     head = classifier_head(model, name)
@@ -160,6 +166,10 @@ def freeze_backbone(model: nn.Module, name: str = "") -> tuple[str, int, int]:
         param.requires_grad_(False)
     for param in getattr(model, head).parameters():
         param.requires_grad_(True)
+    trained = {id(m) for m in getattr(model, head).modules()}
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and id(module) not in trained:
+            module.register_forward_pre_hook(_stay_in_eval)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return head, trained, sum(p.numel() for p in model.parameters())
 

@@ -79,6 +79,7 @@ class FSDPParts(ModelParts):
         """The whole model's state dict on rank 0 ({} elsewhere): a collective."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+        self._resharded()
         return get_model_state_dict(self[0], options=self._options())
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -90,10 +91,48 @@ class FSDPParts(ModelParts):
 
         set_model_state_dict(self[0], state, options=StateDictOptions(full_state_dict=True))
 
+    def sharded_state(
+        self, optimizer: torch.optim.Optimizer
+    ) -> tuple[dict[str, torch.Tensor], list[dict]]:
+        """Each rank's shards: DTensors that DCP writes (and reads back) by their
+        place in the whole tensor, so another world size reshards on load."""
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        self._resharded()
+        named = get_optimizer_state_dict(self[0], optimizer)
+        return unified.flatten(get_model_state_dict(self[0]), named), named["param_groups"]
+
+    def _resharded(self) -> None:
+        """The root module stays unsharded after a forward without backward (evaluation);
+        its parameters are then not the optimizer's. Shard them again first."""
+        for module in self[0].modules():
+            if hasattr(module, "reshard"):
+                module.reshard()
+
+    def load_sharded_state(
+        self, optimizer: torch.optim.Optimizer, flat: dict[str, torch.Tensor], groups: list
+    ) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        model, named = unified.unflatten(flat, groups)
+        # copied into the live shards: set_model_state_dict may assign new Parameter
+        # objects, which the optimizer would not know (measured: the next save failed)
+        own = self[0].state_dict()
+        with torch.no_grad():
+            for name, value in model.items():
+                if own[name] is not value:
+                    own[name].copy_(value)
+        named = unified.own_implementation(named, optimizer)
+        set_optimizer_state_dict(self[0], optimizer, named)
+
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         """The whole optimizer state on rank 0, in the single-device layout (a collective)."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+        self._resharded()
         named = get_optimizer_state_dict(self[0], optimizer, options=self._options())
         if not named:
             return {}

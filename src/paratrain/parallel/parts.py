@@ -141,6 +141,26 @@ class ModelParts(list):
 
         load_optimizer(optimizer, own_implementation(state, optimizer))
 
+    def sharded_state(
+        self, optimizer: torch.optim.Optimizer
+    ) -> tuple[dict[str, torch.Tensor], list[dict]]:
+        """What this rank holds of the model and optimizer, as flat tensors, and the
+        optimizer's param groups by parameter name: what a sharded checkpoint saves and
+        loads into. Only strategies whose state is spread over ranks (collective_state)
+        save sharded."""
+        raise NotImplementedError(f"{type(self).__name__} saves single-file checkpoints")
+
+    def load_sharded_state(
+        self, optimizer: torch.optim.Optimizer, flat: dict[str, torch.Tensor], groups: list
+    ) -> None:
+        """Take the tensors :meth:`sharded_state` returned, filled from a checkpoint."""
+        raise NotImplementedError(f"{type(self).__name__} saves single-file checkpoints")
+
+    def gather_groups(self, groups: list[dict]) -> list[dict]:
+        """The whole model's param groups from every rank's (a collective where each rank
+        holds a part of the model)."""
+        return groups
+
     @property
     def training(self) -> bool:
         """Whether every part is in training mode."""

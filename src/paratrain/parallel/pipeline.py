@@ -134,6 +134,46 @@ class PipelineParts(ModelParts):
             return {}
         return unified.by_index(unified.merge_named(stages, self.full_names), self.full_names)
 
+    def sharded_state(
+        self, optimizer: torch.optim.Optimizer
+    ) -> tuple[dict[str, torch.Tensor], list[dict]]:
+        """This stage's tensors, under the whole model's names: a stage's keys are its
+        own, and replicas of a stage hold the same keys (DCP writes them once)."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        named = get_optimizer_state_dict(self[0], optimizer)
+        model = {k: v.detach() for k, v in self[0].state_dict().items()}
+        return unified.flatten(model, named), named["param_groups"]
+
+    def load_sharded_state(
+        self, optimizer: torch.optim.Optimizer, flat: dict[str, torch.Tensor], groups: list
+    ) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        model, named = unified.unflatten(flat, groups)
+        self[0].load_state_dict(model, strict=True)
+        mine = set(self.local_names)
+        named = {
+            "state": named["state"],
+            "param_groups": [
+                {**g, "params": [n for n in g["params"] if n in mine]}
+                for g in named["param_groups"]
+            ],
+        }
+        named = unified.own_implementation(named, optimizer)
+        set_optimizer_state_dict(self[0], optimizer, named)
+
+    def gather_groups(self, groups: list[dict]) -> list[dict]:
+        """The stages' groups merged in stage order (replica 0's): the whole model's."""
+        stages = _gather_to_main(groups if self.replica == 0 else None)
+        if not comm.is_main():
+            return []
+        parts = [g for g in stages if g is not None]
+        merged = [dict(group) for group in parts[0]]
+        for i, group in enumerate(merged):
+            group["params"] = [name for part in parts for name in part[i]["params"]]
+        return merged
+
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         """This stage's share of a whole-model optimizer state."""
         named = unified.by_name(unified.own_implementation(state, optimizer), self.full_names)

@@ -90,3 +90,35 @@ def load_optimizer(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> N
                     and value.stride() != param.stride()
                 ):
                     entry[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)
+
+
+# A sharded checkpoint's tensors, by flat key: "model::<name>" and "optim::<name>::<slot>"
+# (names hold dots, so another separator keeps keys and slots apart).
+MODEL, OPTIM = "model::", "optim::"
+
+
+def flatten(model: dict[str, Any], named_optim: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A model state dict and a name-keyed optimizer state as one flat dict of tensors."""
+    flat = {MODEL + name: value for name, value in model.items()}
+    for name, slots in named_optim["state"].items():
+        for slot, value in slots.items():
+            if not isinstance(value, torch.Tensor):
+                value = torch.tensor(value)
+            flat[f"{OPTIM}{name}::{slot}"] = value
+    return flat
+
+
+def unflatten(
+    flat: dict[str, torch.Tensor], groups: list[dict[str, Any]]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The reverse of :func:`flatten`: the model state dict, and the name-keyed optimizer
+    state with its param groups."""
+    model: dict[str, torch.Tensor] = {}
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in flat.items():
+        if key.startswith(MODEL):
+            model[key[len(MODEL) :]] = value
+        elif key.startswith(OPTIM):
+            name, slot = key[len(OPTIM) :].rsplit("::", 1)
+            state.setdefault(name, {})[slot] = value
+    return model, {"state": state, "param_groups": groups}
