@@ -26,9 +26,19 @@ SIZE, CLASSES, BATCH = 32, 4, 8
 
 
 def _cfg(strategy: str, **extra) -> TrainConfig:
-    return TrainConfig(model="resnet18", image_size=SIZE, precision="32", lr=0.05,
-                       lr_scaling="none", seed=5, batch_size=BATCH, strategy=strategy,
-                       microbatches=2, memory_format="contiguous", **extra)  # fmt: skip
+    return TrainConfig(
+        model="resnet18",
+        image_size=SIZE,
+        precision="32",
+        lr=0.05,
+        lr_scaling="none",
+        seed=5,
+        batch_size=BATCH,
+        strategy=strategy,
+        microbatches=2,
+        memory_format="contiguous",
+        **extra,
+    )
 
 
 def _parts(cfg: TrainConfig):
@@ -71,8 +81,10 @@ def _load(rank: int, world: int, folder: str, strategy: str) -> dict:
     parts, optimizer = _parts(_cfg(strategy))
     state = sharded.read_state(Path(folder))
     sharded.load_into(Path(folder), parts, optimizer, state)
-    loaded = {"model": {k: v.clone() for k, v in parts.state_dict().items()},
-              "optimizer": parts.optimizer_state_dict(optimizer)}  # fmt: skip
+    loaded = {
+        "model": {k: v.clone() for k, v in parts.state_dict().items()},
+        "optimizer": parts.optimizer_state_dict(optimizer),
+    }
     _train_steps(parts, optimizer, steps=1)  # trains on, and saves again
     sharded.save(Path(folder).with_name(f"again-{strategy}"), parts, optimizer, state)
     return loaded

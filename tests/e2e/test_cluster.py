@@ -156,11 +156,13 @@ def two_hosts():
             _ip("netns", "del", ns)
 
 
-def test_one_epoch_across_two_network_namespaces(tmp_path, two_hosts):
-    data = make_image_folder(tmp_path / "data", classes=3, per_class=10)
-    head = two_hosts[0][2]
+def _netns_train(tmp_path: Path, hosts, data: Path, name: str, caches=None, extra=()) -> list:
+    """One torchrun agent in each network namespace, training together; ``caches``: the
+    cache folder of each host (default: the shared one of _env)."""
+    head = hosts[0][2]
+    port = 29400 + (os.getpid() + len(name)) % 500
     procs = []
-    for node, (ns, dev, addr) in enumerate(two_hosts):
+    for node, (ns, dev, addr) in enumerate(hosts):
         agent = [
             "ip",
             "netns",
@@ -176,18 +178,21 @@ def test_one_epoch_across_two_network_namespaces(tmp_path, two_hosts):
             # which agent hosts the rendezvous, and the address peers reach this one at
             f"--rdzv-conf=is_host={int(node == 0)}",
             f"--local-addr={addr}",
-            f"--rdzv-endpoint={head}:{29400 + os.getpid() % 500}",
-            "--rdzv-id=netns",
+            f"--rdzv-endpoint={head}:{port}",
+            f"--rdzv-id={name}",
             "-m",
             "paratrain",
             "train",
             "--data",
             str(data),
             "--name",
-            "netns",
+            name,
             *TRAIN,
+            *extra,
         ]
         env = _env(tmp_path, GLOO_SOCKET_IFNAME=dev)  # gloo's interface in this host
+        if caches is not None:
+            env["PARATRAIN_CACHE"] = str(caches[node])
         procs.append(
             subprocess.Popen(
                 agent,
@@ -200,12 +205,35 @@ def test_one_epoch_across_two_network_namespaces(tmp_path, two_hosts):
         )
     outputs = [p.communicate(timeout=180)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(outputs)
+    return outputs
+
+
+def test_one_epoch_across_two_network_namespaces(tmp_path, two_hosts):
+    data = make_image_folder(tmp_path / "data", classes=3, per_class=10)
+    _netns_train(tmp_path, two_hosts, data, "netns")
     summary = json.loads((tmp_path / "runs/netns/summary.json").read_text())
     assert summary["world_size"] == 2 and summary["final"]["val_count"] == 6
     # the gradients went over the veth pair: ResNet-18's are 45 MB per step
     stats = _ip("-n", two_hosts[1][0], "-s", "-j", "link", "show", two_hosts[1][1])
     received = json.loads(stats.stdout)[0]["stats64"]["rx"]["bytes"]
     assert received > 45e6, received
+
+
+def test_hosts_with_a_cache_folder_each_train_like_hosts_sharing_one(tmp_path, two_hosts):
+    """No shared file system for the decoded cache: each host builds its own whole cache,
+    and training ends with the weights of two hosts sharing one cache folder."""
+    data = make_image_folder(tmp_path / "data", classes=3, per_class=10)
+    own = [tmp_path / "cache-a", tmp_path / "cache-b"]
+    _netns_train(tmp_path, two_hosts, data, "own", caches=own, extra=["--cache", "on"])
+    shared = [tmp_path / "cache-shared"] * 2
+    _netns_train(tmp_path, two_hosts, data, "shared", caches=shared, extra=["--cache", "on"])
+    for folder in own:  # each host built a whole cache of its own
+        assert len(list((folder / "decoded").glob("*/manifest.json"))) == 1
+    assert len(list((shared[0] / "decoded").glob("*/manifest.json"))) == 1
+    a = torch.load(tmp_path / "runs/own/checkpoints/last.pt", weights_only=True)["model"]
+    b = torch.load(tmp_path / "runs/shared/checkpoints/last.pt", weights_only=True)["model"]
+    for key, value in a.items():
+        torch.testing.assert_close(value, b[key], rtol=0, atol=0, msg=key)
 
 
 def _rows(run_dir: Path) -> list[dict]:

@@ -1,0 +1,118 @@
+"""The decoded-image cache survives what sweeps and clusters do to it: a damaged cache is
+found by its manifest and rebuilt, runs started together build once, a folder that
+cannot be written is said in one line (or the run decodes instead), and there must be
+room for it first."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import multiprocessing
+import shutil
+
+import pytest
+
+from imagefolders import make_image_folder
+from paratrain.data.cache import MANIFEST, prepare
+from paratrain.data.folder import build_split
+from paratrain.errors import UserError
+from paratrain.log import get_logger
+
+
+@pytest.fixture
+def samples(tmp_path):
+    split = build_split(make_image_folder(tmp_path / "data", classes=2, per_class=6))
+    return split.train + split.val
+
+
+@contextlib.contextmanager
+def _said():
+    """What paratrain's logger says meanwhile."""
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logger, handler = get_logger(), Keep()
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _digest(cache) -> str:
+    return hashlib.sha256((cache.directory / "data.u8").read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "emptied", "garbled", "no manifest"])
+def test_a_damaged_cache_is_rebuilt_and_the_run_says_why(samples, tmp_path, damage):
+    root = str(tmp_path / "cache")
+    first = prepare(samples, 24, "on", 1.0, root, workers=0)
+    good = _digest(first)
+    data = first.directory / "data.u8"
+    if damage == "truncated":
+        data.write_bytes(data.read_bytes()[:100])
+    elif damage == "emptied":
+        data.write_bytes(b"")
+    elif damage == "garbled":
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    else:
+        (first.directory / MANIFEST).unlink()
+    with _said() as lines:
+        again = prepare(samples, 24, "on", 1.0, root, workers=0)
+    assert _digest(again) == good
+    assert any("building it again" in line for line in lines), lines
+
+
+def _build_at_once(root: str, paths: list, start, out) -> None:
+    samples = [(p, label) for p, label in paths]
+    start.wait()
+    with _said() as lines:
+        cache = prepare(samples, 24, "on", 1.0, root, workers=0)
+    out.put((_digest(cache), any("waiting for it" in line for line in lines)))
+
+
+def test_runs_started_together_build_once_and_read_the_same_bytes(samples, tmp_path):
+    context = multiprocessing.get_context("fork")
+    start, out = context.Barrier(2), context.Queue()
+    root = str(tmp_path / "cache")
+    procs = [
+        context.Process(target=_build_at_once, args=(root, samples, start, out)) for _ in range(2)
+    ]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(120)
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    results = [out.get(timeout=5) for _ in procs]
+    assert results[0][0] == results[1][0]  # identical bytes
+    built = list((tmp_path / "cache" / "decoded").glob("*/" + MANIFEST))
+    assert len(built) == 1 and not list((tmp_path / "cache" / "decoded").glob(".*tmp*"))
+
+
+def test_a_cache_folder_that_cannot_be_written(samples):
+    root = "/proc/paratrain-cannot-write-here"
+    with _said() as lines:
+        assert prepare(samples, 24, "auto", 1.0, root, workers=0) is None  # decodes instead
+    assert any("cannot write to" in line and "decoding every epoch" in line for line in lines)
+    with pytest.raises(UserError, match="--cache on: cannot write to /proc"):
+        prepare(samples, 24, "on", 1.0, root, workers=0)
+
+
+def test_free_space_is_checked_before_writing(samples, tmp_path, monkeypatch):
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    root = str(tmp_path / "cache")
+    with pytest.raises(UserError, match="need .* GB and .* has 0.00 GB free"):
+        prepare(samples, 24, "on", 1.0, root, workers=0)
+    with _said() as lines:
+        assert prepare(samples, 24, "auto", 1.0, root, workers=0) is None
+    assert any("GB free" in line for line in lines)

@@ -1,0 +1,299 @@
+"""Runs a user can trust: resume that checks, checkpoints that are data, run folders that
+are never overwritten, no batch of one, bad images listed, frozen layers frozen, a
+skipped non-finite step that leaves everything as it was."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from PIL import Image
+from torch import nn
+
+from imagefolders import make_image_folder
+from paratrain import TrainConfig, train
+from paratrain.cli import main
+from paratrain.data.folder import ImageSamples
+from paratrain.data.samplers import TrainBatches, TrainSampler
+from paratrain.data.scan import find_bad_images
+from paratrain.distributed.env import DistEnv
+from paratrain.distributed.runtime import Runtime
+from paratrain.engine import checkpoint
+from paratrain.engine.control import StepControl
+from paratrain.engine.precision import Precision
+from paratrain.engine.preempt import PreemptionGuard
+from paratrain.engine.recipe import Recipe
+from paratrain.engine.state import Progress
+from paratrain.engine.trainer import train_step
+from paratrain.models.registry import create_model, freeze_backbone
+from paratrain.parallel import ModelParts
+from paratrain.report.tensorboard import Board
+
+FAST = dict(model="resnet18", image_size=16, batch_size=4, workers=0, precision="32")
+
+
+def _run(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def _one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One epoch of a tiny run: its folder, its data and its last checkpoint."""
+    root = tmp_path_factory.mktemp("trust")
+    data = make_image_folder(root / "data", classes=3, per_class=12)
+    train(
+        TrainConfig(
+            data=str(data), epochs=1, output_dir=str(root / "runs"), name="r", cache="off", **FAST
+        )
+    )
+    return root, data, root / "runs/r/checkpoints/last.pt"
+
+
+def _flags(root: Path, data: Path, *extra: str) -> list[str]:
+    return [
+        "train",
+        "--data",
+        str(data),
+        "--model",
+        "resnet18",
+        "--image-size",
+        "16",
+        "--batch-size",
+        "4",
+        "--workers",
+        "0",
+        "--precision",
+        "32",
+        "--cache",
+        "off",
+        "--output-dir",
+        str(root / "runs"),
+        *extra,
+    ]
+
+
+def test_resume_refuses_what_cannot_continue_in_one_line(trained, tmp_path):
+    root, data, last = trained
+    code, _, err = _run(
+        [
+            *_flags(root, data, "--epochs", "2", "--resume", str(last)),
+            "--model",
+            "resnet34",
+            "--opt",
+            "adamw",
+        ]
+    )
+    assert code == 2
+    line = _one_error_line(err)
+    assert "--model resnet34 but the checkpoint has resnet18" in line
+    assert "--opt adamw but the checkpoint has sgd" in line
+    assert f"--weights {last}" in line  # what to do instead
+    renamed = make_image_folder(tmp_path / "other", classes=3, per_class=12)
+    for i, folder in enumerate(sorted(renamed.iterdir())):
+        folder.rename(renamed / f"kind_{i}")  # as many classes, other names
+    code, _, err = _run(_flags(root, renamed, "--epochs", "2", "--resume", str(last)))
+    assert code == 2 and "are not the checkpoint's" in _one_error_line(err)
+
+
+def test_resume_with_other_rates_and_more_epochs_says_what_changed(trained, capsys):
+    root, data, last = trained
+    code, out, err = _run(
+        _flags(
+            root,
+            data,
+            "--epochs",
+            "2",
+            "--resume",
+            str(last),
+            "--lr",
+            "0.02",
+            "--weight-decay",
+            "0.01",
+            "--name",
+            "more",
+        )
+    )
+    assert code == 0, err
+    assert "settings changed since the checkpoint:" in out
+    assert "lr 0.01 -> 0.02" in out and "weight_decay 0.005 -> 0.01" in out
+    state = checkpoint.load(root / "runs/more/checkpoints/last.pt")
+    assert state["optimizer"]["param_groups"][0]["weight_decay"] == 0.01
+    assert state["epoch"] == 2
+
+
+def test_a_run_that_exists_is_not_overwritten(trained):
+    root, data, _ = trained
+    code, _, err = _run(_flags(root, data, "--epochs", "1", "--name", "r"))
+    line = _one_error_line(err)
+    assert code == 2 and "already holds a run" in line
+    assert "--resume auto" in line and "--name" in line
+
+
+class _RunsCode:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_by_every_command(trained, tmp_path):
+    root, data, _ = trained
+    marker = tmp_path / "it-ran"
+    evil = tmp_path / "evil.pt"
+    torch.save({"model": {}, "payload": _RunsCode(marker)}, evil)
+    commands = [
+        _flags(root, data, "--epochs", "2", "--resume", str(evil), "--name", "evil"),
+        _flags(root, data, "--epochs", "1", "--weights", str(evil), "--name", "evil2"),
+        ["eval", "--checkpoint", str(evil), "--data", str(data)],
+        ["predict", "--checkpoint", str(evil), str(data)],
+        ["export", "--checkpoint", str(evil)],
+    ]
+    for argv in commands:
+        code, _, err = _run(argv)
+        assert code == 2, (argv, err)
+        _one_error_line(err)
+        assert not marker.exists(), argv
+
+
+def test_resuming_mid_epoch_with_another_batch_neither_skips_nor_repeats(tmp_path, monkeypatch):
+    """An epoch interrupted after 2 steps of 4 images, resumed with batches of 6: every
+    training image of the epoch is trained on exactly once."""
+    data = make_image_folder(tmp_path / "data", classes=4, per_class=10)  # 32 train
+    seen: list[int] = []
+    original = ImageSamples.__getitem__
+
+    def recording(self, key):
+        seen.append(key[0] if isinstance(key, tuple) else key)
+        return original(self, key)
+
+    monkeypatch.setattr(ImageSamples, "__getitem__", recording)
+    common = dict(
+        data=str(data),
+        epochs=1,
+        output_dir=str(tmp_path / "runs"),
+        name="m",
+        cache="off",
+        save_every_steps=2,
+        **{**FAST, "batch_size": 4},
+    )
+    monkeypatch.setenv("PARATRAIN_INJECT", "rank=0,step=3,kind=raise")
+    with pytest.raises(RuntimeError, match="injected failure at step 3"):
+        train(TrainConfig(**common))
+    first = seen[:8]  # the two saved steps (the third was drawn, then the run failed)
+    monkeypatch.delenv("PARATRAIN_INJECT")
+    seen.clear()
+    state = checkpoint.load(tmp_path / "runs/m/checkpoints/last.pt")
+    assert (state["consumed"], state["step_in_epoch"]) == (8, 2)
+    train(TrainConfig(**{**common, "batch_size": 6, "resume": "auto"}))
+    rest = seen[: 32 - 8]  # before the epoch's evaluation
+    assert sorted(first + rest) == list(range(32))
+
+
+def test_no_training_batch_holds_one_image():
+    for n, batch in [(27, 13), (9, 4), (5, 4), (13, 6), (12, 4)]:
+        sizes = [len(b) for b in TrainBatches(TrainSampler(n, 0, 1), batch)]
+        assert 1 not in sizes and sum(sizes) == n, (n, batch, sizes)
+        assert len(TrainBatches(TrainSampler(n, 0, 1), batch)) == len(sizes)
+    # drop_last (a pipeline's fixed micro-batches) keeps full batches only
+    assert [len(b) for b in TrainBatches(TrainSampler(9, 0, 1), 4, drop_last=True)] == [4, 4]
+
+
+def test_a_training_set_that_leaves_a_batch_of_one_trains_at_16px(tmp_path):
+    data = make_image_folder(tmp_path / "data", classes=3, per_class=11)  # 27 train images
+    summary = train(
+        TrainConfig(
+            data=str(data),
+            epochs=1,
+            output_dir=str(tmp_path / "runs"),
+            name="odd",
+            cache="off",
+            **{**FAST, "batch_size": 13},
+        )
+    )
+    assert summary["final"]["val_count"] == 6
+
+
+def test_a_decompression_bomb_is_a_bad_image_with_its_pixel_count(tmp_path, monkeypatch):
+    folder = make_image_folder(tmp_path / "data", classes=2, per_class=3)
+    Image.new("RGB", (60, 50)).save(folder / "class_0" / "bomb.png")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 3,000 pixels: over twice this
+    found = find_bad_images([str(folder / "class_0" / "bomb.png")], 0, 1, 0, show=False)
+    assert len(found) == 1
+    assert "3,000 pixels, over Pillow's decompression-bomb limit of 2,000" in found[0][1]
+
+
+def test_frozen_layers_keep_their_batchnorm_statistics():
+    model = create_model("resnet18", 3)
+    freeze_backbone(model, "resnet18")
+    before = {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
+    model.train()
+    out = model(torch.randn(4, 3, 32, 32) * 3 + 1)
+    out.sum().backward()
+    after = model.state_dict()
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
+    assert model.fc.weight.grad is not None and model.conv1.weight.grad is None
+
+
+def test_eval_runs_on_this_machines_device_not_the_training_runs(trained, tmp_path):
+    root, data, last = trained
+    state = checkpoint.load(last)
+    state["config"] = {**state["config"], "device": "cuda", "backend": "nccl"}
+    moved = tmp_path / "from-a-gpu.pt"
+    checkpoint.save_atomic(state, moved)
+    code, out, err = _run(["eval", "--checkpoint", str(moved), "--data", str(data), "--json"])
+    assert code == 0, err
+    code, _, err = _run(["eval", "--checkpoint", str(moved), "--device", "cpu", "--json"])
+    assert code == 0, err
+
+
+def test_a_real_nonfinite_step_under_skip_leaves_everything_as_it_was():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3)
+    )
+    parts = ModelParts([model])
+    optimizer = torch.optim.SGD(parts.parameters(), lr=0.1, momentum=0.9)
+    runtime = Runtime(env=DistEnv(), device=torch.device("cpu"), backend=None)
+    cfg = TrainConfig(on_nonfinite="skip")
+    recipe = Recipe(criterion=nn.CrossEntropyLoss(), precision=Precision("32", runtime.device))
+    control = StepControl(cfg, runtime, save=None, guard=PreemptionGuard())
+    run = SimpleNamespace(
+        parts=parts,
+        recipe=recipe,
+        optimizer=optimizer,
+        progress=Progress(),
+        control=control,
+        board=Board(Path("unused"), False, 1),
+    )
+    labels = torch.randint(0, 3, (4,))
+    good = [(torch.randn(4, 3, 8, 8), labels)]
+    train_step(run, iter(good), 1)  # a good step first: momentum buffers exist
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    momentum = [optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    poisoned = torch.randn(4, 3, 8, 8)
+    poisoned[0, 0, 0, 0] = float("inf")  # a real forward that ends in NaN
+    train_step(run, iter([(poisoned, labels)]), 1)
+    assert run.progress.skipped_steps == 1 and run.progress.global_step == 2
+    for key, value in model.state_dict().items():  # weights and BatchNorm buffers
+        assert torch.equal(value, weights[key]), key
+    for p, buffer in zip(model.parameters(), momentum, strict=True):
+        assert torch.equal(optimizer.state[p]["momentum_buffer"], buffer)
