@@ -39,12 +39,13 @@ HERE = Path(__file__).resolve().parent
 CLASSES = 5
 
 
-def make_folder(root: Path, count: int) -> Path:
-    """Class = colour cast + stripe direction, under texture and noise; 80/20 split."""
-    rng = np.random.default_rng(0)
+def make_folder(root: Path, count: int, part: int = 0, parts: int = 1) -> Path:
+    """Class = colour cast + stripe direction, under texture and noise; 80/20 split.
+    ``part`` of ``parts``: every parts-th image from part on (for writing in parallel)."""
+    tints = np.random.default_rng(0).uniform(110, 150, size=(CLASSES, 3))  # close colours
     yy, xx = np.mgrid[0:300, 0:400].astype(np.float32)
-    tints = rng.uniform(110, 150, size=(CLASSES, 3))  # close colours: not told apart by tint
-    for i in range(count):
+    for i in range(part, count, parts):
+        rng = np.random.default_rng(i + 1)
         label = i % CLASSES
         subset = "val" if (i // CLASSES) % 5 == 0 else "train"
         folder = root / subset / f"class_{label}"

@@ -218,6 +218,7 @@ def describe_train(cfg: TrainConfig, env: DistEnv, unwritten: Path | None = None
         plan = survey(
             split.train + split.val, cfg.image_size, cfg.cache, cfg.cache_max_gb, cfg.cache_dir
         )
+        resumes = _resumable(cfg, split.classes)
         cache = {
             "ready": f"ready ({plan.nbytes / 2**30:.2f} GB at {plan.directory})",
             "build": f"would be built: {plan.nbytes / 2**30:.2f} GB at {plan.directory}",
@@ -244,7 +245,29 @@ def describe_train(cfg: TrainConfig, env: DistEnv, unwritten: Path | None = None
         f"  precision: {precision}" + (" (auto)" if cfg.precision == "auto" else ""),
         f"  decoded-image cache: {cache}",
     ]
+    if unwritten is None:
+        lines.append(f"  resume: {resumes}")
     return "\n".join(lines)
+
+
+def _resumable(cfg: TrainConfig, classes: list[str]) -> str:
+    """What --resume would continue, checked as the run would check it."""
+    from paratrain.engine import checkpoint, sharded
+
+    if cfg.resume is None:
+        return "no (a new run)"
+    if cfg.resume == "auto":
+        found = checkpoint.find_resumable(Path(cfg.output_dir), cfg.name)
+        if found is None:
+            return "auto: nothing to resume yet (a new run)"
+    else:
+        found = Path(cfg.resume)
+    folder = sharded.find(found) if found.is_dir() else None
+    state = sharded.read_state(folder) if folder is not None else checkpoint.load(found)
+    _, changed = checkpoint.check_resumable(state, cfg, classes, found)
+    step = f", step {state['step_in_epoch']}" if state.get("step_in_epoch") else ""
+    also = f"; changed: {', '.join(changed)}" if changed else ""
+    return f"{found} at epoch {state['epoch'] + 1}{step}{also}"
 
 
 def _train_worker(cfg: TrainConfig, env: DistEnv) -> dict:

@@ -91,6 +91,14 @@ class TrainConfig(Options):
         low=0.0,
         low_open=True,
     )
+    augment_on: str = setting(
+        "auto",
+        "where training images are cropped, resized, flipped and normalised (and, without the "
+        "cache, JPEGs decoded where that is faster): on the model's device, or in the loader "
+        "on the CPU; auto: the device on CUDA",
+        group="data",
+        choices=("auto", "device", "cpu"),
+    )
     cache_dir: str | None = setting(
         None,
         "where the decoded cache and the embedded data set are written",

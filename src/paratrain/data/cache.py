@@ -486,16 +486,38 @@ class CachedTrainTransform:
             w, h = width, height
         return (height - h) // 2, (width - w) // 2, h, w
 
-    def __call__(self, image: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def draw(self, height: int, width: int) -> tuple[tuple[int, int, int, int], bool]:
+        """The crop box and the flip of one image, from the torch generator (seeded per
+        sample by the dataset): the same draws wherever the image is then augmented."""
         draws = torch.rand(41).tolist()  # one call to the generator, not forty
-        top, left, height, width = self.crop_box(image.shape[-2], image.shape[-1], draws)
+        return self.crop_box(height, width, draws), self.hflip > 0 and draws[40] < self.hflip
+
+    def apply(
+        self,
+        image: torch.Tensor,
+        box: tuple[int, int, int, int],
+        flip: bool,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Crop, resize, flip and normalise ``image`` on its own device."""
+        top, left, height, width = box
         crop = F2.resized_crop(
             image, top, left, height, width, [self.size, self.size], antialias=True
         )
-        if self.hflip > 0 and draws[40] < self.hflip:
+        if flip:
             crop = crop.flip(-1)
         out = crop.float() if out is None else out.copy_(crop)
-        return out.sub_(self.mean).mul_(self.inv_std)
+        mean, inv_std = self._constants(out.device)
+        return out.sub_(mean).mul_(inv_std)
+
+    def _constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.mean.device != device:
+            self.mean, self.inv_std = self.mean.to(device), self.inv_std.to(device)
+        return self.mean, self.inv_std
+
+    def __call__(self, image: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        box, flip = self.draw(image.shape[-2], image.shape[-1])
+        return self.apply(image, box, flip, out)
 
 
 def cached_train_transform(

@@ -337,9 +337,12 @@ def check_resumable(
             f"{saved.seed} (the rest of the epoch follows that order)"
         )
     if refused:
+        weights = f"--weights {path}"
+        if Path(path).is_dir():  # a sharded checkpoint: one file of it first
+            weights = f"paratrain export --checkpoint {path} --format pt, then --weights that file"
         raise UserError(
             f"cannot resume from {path}: " + "; ".join(refused) + " — resume with the "
-            f"checkpoint's settings, or start a new run from its weights (--weights {path})"
+            f"checkpoint's settings, or start a new run from its weights ({weights})"
         )
     changed = [
         f"{key} {getattr(saved, key)} -> {getattr(cfg, key)}"

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from paratrain.config import TrainConfig
+from paratrain.data.device_batches import to_model
 from paratrain.data.folder import DataSplit, build_split
 from paratrain.data.loaders import Loaders, make_loaders, prepare_data
 from paratrain.distributed import comm
@@ -205,7 +206,7 @@ def train_step(run: Run, micro_batches: Iterator, count: int) -> int:
     step = torch.zeros(3, dtype=torch.float64, device=parts.output_device)  # loss x n, correct, n
     images_seen = 0
     for micro, (images, labels) in enumerate(micro_batches):
-        images = images.to(parts.input_device, non_blocking=True, memory_format=parts.memory_format)
+        images = to_model(images, parts.input_device, parts.memory_format)  # may augment there
         labels = labels.to(parts.output_device, non_blocking=True)
         targets = labels
         if recipe.mixer is not None:  # train accuracy is then against the unmixed labels
@@ -217,14 +218,10 @@ def train_step(run: Run, micro_batches: Iterator, count: int) -> int:
             )
         images_seen += labels.numel()
         if logits is not None:  # a pipeline's last stage alone has them
-            correct = (logits.argmax(1) == labels).sum()
-            step += torch.stack(
-                [
-                    loss.double() * labels.numel(),
-                    correct.double(),
-                    torch.tensor(float(labels.numel()), device=step.device),
-                ]
-            )
+            n = labels.numel()  # on the device, with scalars from the host: nothing waits
+            step[0] += loss.double() * n
+            step[1] += (logits.argmax(1) == labels).sum()
+            step[2] += n
     parts.after_backward()
     skipped = run.control.judge(step[0], progress)
     if skipped is not True:

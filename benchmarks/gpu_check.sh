@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# The GPU checks in one run on one GPU, about 6 minutes on an H200; prints one table.
+#
+#   bash benchmarks/gpu_check.sh            (after the README's install command)
+#
+# 1. the GPU tests (tests/gpu); 2. short CUDA training runs from a generated folder:
+# bf16 channels_last, the same with --compile, 16-mixed, then a resume; 3. `paratrain
+# bench` ResNet-50 at 224 px, batch 256: images/s and peak memory; 4. training ResNet-50
+# from the decoded cache, end to end, as a ratio of that bench; 5. two processes sharing
+# the GPU through gloo; 6. what one GPU cannot show. Logs and the table go to $OUT (or a
+# temporary folder).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+out=${OUT:-$(mktemp -d)}
+work=$(mktemp -d)
+export PARATRAIN_CACHE="$work/cache" PARATRAIN_NO_BAR=1 PYTHONUNBUFFERED=1
+python=${PYTHON:-python3}
+table="$out/gpu_check.txt"
+: > "$table"
+row() { printf '%-44s %-5s %s\n' "$1" "$2" "$3" | tee -a "$table"; }
+verdict() { [ "$1" = 0 ] && echo ok || echo FAIL; }
+metric() { # metric RUN KEY: the last epoch's KEY from the run's metrics.jsonl
+  "$python" -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])][-1]; print(r[sys.argv[2]])" \
+    "$work/runs/$1/metrics.jsonl" "$2" 2>/dev/null || echo "?"
+}
+
+"$python" -c "import paratrain" 2>/dev/null || "$python" -m pip install -q --no-deps -e . >/dev/null
+"$python" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exit 2
+gpu=$("$python" -c "import torch; p=torch.cuda.get_device_properties(0); print(f'{p.name}, {p.total_memory/2**30:.0f} GiB, torch {torch.__version__}')")
+row "device" "" "$gpu"
+
+# 1. the GPU tests
+timeout 240 "$python" -m pytest -q tests/gpu -p no:cacheprovider > "$out/tests.log" 2>&1
+code=$?
+row "tests/gpu" "$(verdict $code)" "$(tail -n 1 "$out/tests.log")"
+
+# a generated folder: 5 classes of 400x300 JPEGs (80/20 train/val)
+"$python" - "$work/data" 6000 <<'EOF'
+import sys
+from pathlib import Path
+from concurrent.futures import ProcessPoolExecutor
+sys.path.insert(0, "benchmarks")
+from vs_plain_loop import make_folder
+root, count = Path(sys.argv[1]), int(sys.argv[2])
+with ProcessPoolExecutor() as pool:  # each worker writes its own slice of the images
+    list(pool.map(make_folder, [root] * 8, [count] * 8, range(8), [8] * 8))
+EOF
+
+train() { # train NAME FLAGS...: one run, its exit code, its log
+  local name=$1; shift
+  (cd "$work" && timeout 300 "$python" -m paratrain train --data "$work/data" --name "$name" "$@") \
+    > "$out/train-$name.log" 2>&1
+}
+
+# 2. short CUDA training runs, then a resume
+small=(--model resnet18 --image-size 64 --batch-size 128 --workers 4)
+train bf16 "${small[@]}" --epochs 1 --precision bf16-mixed --memory-format channels_last
+row "train bf16, channels_last" "$(verdict $?)" "top1 $(metric bf16 val_top1), $(metric bf16 train_images_per_s) img/s"
+train compiled "${small[@]}" --epochs 1 --precision bf16-mixed --compile
+row "train bf16 + --compile" "$(verdict $?)" "top1 $(metric compiled val_top1), $(metric compiled train_images_per_s) img/s"
+train fp16 "${small[@]}" --epochs 1 --precision 16-mixed
+row "train 16-mixed (GradScaler)" "$(verdict $?)" "top1 $(metric fp16 val_top1), $(metric fp16 train_images_per_s) img/s"
+train fp16 "${small[@]}" --epochs 2 --precision 16-mixed --resume auto
+code=$?
+grep -q "resumed from" "$out/train-fp16.log" || code=1
+row "resume 16-mixed to epoch 2" "$(verdict $code)" "epoch $(metric fp16 epoch), top1 $(metric fp16 val_top1)"
+
+# 3. bench: ResNet-50 at 224 px, batch 256, bf16 channels_last
+(cd "$work" && timeout 300 "$python" -m paratrain bench --model resnet50 --image-size 224 \
+  --batch-size 256 --precision bf16-mixed --memory-format channels_last --steps 30 --warmup 10 \
+  --json) > "$out/bench.json" 2> "$out/bench.log"
+code=$?
+bench=$("$python" -c "import json,sys; print(round(json.loads(open(sys.argv[1]).read().splitlines()[-1])['images_per_s']))" "$out/bench.json" 2>/dev/null || echo 0)
+peak=$("$python" -c "import json,sys; print(round(json.loads(open(sys.argv[1]).read().splitlines()[-1])['peak_memory_mb']))" "$out/bench.json" 2>/dev/null || echo "?")
+row "bench resnet50 224px b256 bf16 (target 3000)" "$(verdict $code)" "$bench img/s, peak $peak MiB"
+
+# 4. end to end from the decoded cache (the last of 3 epochs), against the bench
+train e2e --model resnet50 --image-size 224 --batch-size 256 --epochs 3 --workers 12 \
+  --precision bf16-mixed --memory-format channels_last --cache on
+code=$?
+e2e=$(metric e2e train_images_per_s)
+ratio=$("$python" -c "import sys; print(f'{float(sys.argv[1]) / max(float(sys.argv[2]), 1):.2f}')" "$e2e" "$bench" 2>/dev/null || echo "?")
+row "train resnet50 from the cache (target 0.9x)" "$(verdict $code)" "${e2e%.*} img/s = ${ratio}x bench"
+
+# 5. two processes sharing the one GPU (gloo; NCCL refuses two ranks on one GPU)
+train shared "${small[@]}" --epochs 1 --nproc 2 --device cuda:0 --backend gloo
+row "2 processes on 1 GPU through gloo" "$(verdict $?)" "top1 $(metric shared val_top1), world $(metric shared world_size)"
+
+# 6. what one GPU cannot show
+count=$("$python" -c "import torch; print(torch.cuda.device_count())")
+if [ "$count" -lt 2 ]; then
+  row "NCCL with 2 ranks (ddp, SyncBN, fsdp, pipeline)" "n/a" "needs 2 GPUs; in tests/gpu, skipped here"
+  row "split over cuda:0,cuda:1; dp over 2 GPUs" "n/a" "needs 2 GPUs (split over cuda:0,cuda:0 is tested)"
+fi
+echo
+echo "table: $table; logs in $out"

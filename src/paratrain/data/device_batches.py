@@ -1,0 +1,156 @@
+"""Training batches augmented where the model is: the loader only reads bytes.
+
+On CUDA a loader process that crops, resizes and normalises every image can starve a
+fast GPU. Here the loader hands over each image as stored (the decoded cache's uint8
+pixels, or, without the cache, a JPEG file's bytes), with the crop box and flip drawn from
+the sample's own seed exactly as the CPU transform draws them; the device decodes
+(nvJPEG), crops, resizes, flips and normalises. On a CPU the same code gives the same
+tensors as the cached CPU path, bit for bit (tested), so both are one augmentation.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from PIL import Image
+
+from paratrain.data.cache import CachedTrainTransform
+from paratrain.data.folder import ImageSamples, Sample, load_rgb, seeded
+
+JPEG_MAGIC = b"\xff\xd8\xff"
+_ROTATED = {5, 6, 7, 8}  # EXIF orientations that swap width and height
+
+
+@dataclass
+class DeviceBatch:
+    """A batch still to be augmented: each image as stored, its crop box and flip."""
+
+    images: list[torch.Tensor]  # uint8: CHW pixels, or 1-D JPEG bytes where encoded
+    encoded: list[bool]
+    boxes: torch.Tensor  # (B, 4) int64: top, left, height, width in the upright image
+    flips: torch.Tensor  # (B,) bool
+    augment: CachedTrainTransform  # its apply(): crop, resize, flip, normalise
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def pin_memory(self) -> DeviceBatch:
+        """The DataLoader's pin-memory thread calls this: host copies then go async."""
+        return replace(self, images=[image.pin_memory() for image in self.images])
+
+    def on(self, device: torch.device, memory_format: torch.memory_format) -> torch.Tensor:
+        """The augmented float batch on ``device``, in ``memory_format``."""
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        images = [image.to(device, non_blocking=True) for image in self.images]
+        which = [i for i, encoded in enumerate(self.encoded) if encoded]
+        if which:
+            decoded = decode_jpeg(
+                [images[i] for i in which],
+                mode=ImageReadMode.RGB,
+                device=device,
+                apply_exif_orientation=True,
+            )
+            for i, image in zip(which, decoded, strict=True):
+                images[i] = image
+        size = self.augment.size
+        out = torch.empty(len(images), 3, size, size, device=device)
+        for slot, image, box, flip in zip(
+            out, images, self.boxes.tolist(), self.flips.tolist(), strict=True
+        ):
+            self.augment.apply(image, box, flip, slot)
+        return out.contiguous(memory_format=memory_format)
+
+
+class DeviceAugmented(ImageSamples):
+    """Training samples read as stored, for a DeviceBatch: from the decoded cache (its
+    uint8 pixels), or from their files (a JPEG's bytes; other formats decoded here)."""
+
+    def __init__(self, samples: Sequence[Sample], transform, cache=None):
+        super().__init__(samples, transform)
+        self.cache = cache
+        self.slots = [cache.slots[path] for path, _ in samples] if cache is not None else None
+
+    def _stored(self, index: int) -> tuple[torch.Tensor, bool, tuple[int, int]]:
+        """(image as stored, whether it is JPEG bytes, (height, width) once upright)."""
+        if self.cache is not None:
+            pixels = self.cache.image(self.slots[index])
+            return pixels, False, tuple(pixels.shape[-2:])
+        path = self.samples[index][0]
+        with open(path, "rb") as handle:
+            raw = handle.read()
+        if raw.startswith(JPEG_MAGIC):
+            with Image.open(io.BytesIO(raw)) as header:  # the header only: no decoding
+                width, height = header.size
+                if header.getexif().get(0x0112) in _ROTATED:
+                    width, height = height, width
+            return torch.frombuffer(bytearray(raw), dtype=torch.uint8), True, (height, width)
+        pixels = torch.from_numpy(_array(load_rgb(path))).permute(2, 0, 1).contiguous()
+        return pixels, False, tuple(pixels.shape[-2:])
+
+    def __getitems__(self, keys: list) -> tuple[DeviceBatch, torch.Tensor]:
+        labels = torch.tensor([self.samples[index][1] for index, _ in keys])
+        images, encoded, boxes, flips = [], [], [], []
+        for index, seed in keys:
+            image, is_jpeg, (height, width) = self._stored(index)
+            with seeded(seed):
+                box, flip = self.transform.draw(height, width)
+            images.append(image)
+            encoded.append(is_jpeg)
+            boxes.append(box)
+            flips.append(flip)
+        batch = DeviceBatch(
+            images,
+            encoded,
+            torch.tensor(boxes, dtype=torch.int64),
+            torch.tensor(flips, dtype=torch.bool),
+            self.transform,
+        )
+        return batch, labels
+
+
+def _array(image: Image.Image):
+    import numpy as np
+
+    return np.asarray(image, dtype=np.uint8)
+
+
+def to_model(
+    images: torch.Tensor | DeviceBatch, device: torch.device, memory_format: torch.memory_format
+) -> torch.Tensor:
+    """A loader's batch as the model takes it: moved, or augmented on ``device``."""
+    if isinstance(images, DeviceBatch):
+        return images.on(device, memory_format)
+    return images.to(device, non_blocking=True, memory_format=memory_format)
+
+
+def faster_on_device(cpu_seconds: float, device_seconds: float, workers: int) -> bool:
+    """Whether decoding a JPEG on the device outpaces the loader processes decoding on
+    the CPU side by side (seconds per image each way)."""
+    return device_seconds * max(workers, 1) < cpu_seconds
+
+
+def decode_faster_on_device(paths: Sequence[str], device: torch.device, workers: int) -> bool:
+    """Time both decoders on a few of the training JPEGs (after one warm-up each)."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    sample = [p for p in paths[:64] if open(p, "rb").read(3) == JPEG_MAGIC][:16]
+    if device.type != "cuda" or len(sample) < 4:
+        return False
+    raw = [torch.frombuffer(bytearray(open(p, "rb").read()), dtype=torch.uint8) for p in sample]
+    load_rgb(sample[0])
+    start = time.perf_counter()
+    for path in sample:
+        load_rgb(path)
+    cpu = (time.perf_counter() - start) / len(sample)
+    decode_jpeg(raw[:2], device=device, mode=ImageReadMode.RGB)
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    decode_jpeg(raw, device=device, mode=ImageReadMode.RGB)
+    torch.cuda.synchronize(device)
+    gpu = (time.perf_counter() - start) / len(sample)
+    return faster_on_device(cpu, gpu, workers)

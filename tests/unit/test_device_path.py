@@ -1,0 +1,162 @@
+"""The GPU path, as far as a CPU can run it: augmentation where the model is gives the
+CPU path's tensors, a step that reads nothing back still agrees on non-finite losses,
+and --nproc beyond the GPUs is refused before anything starts."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+from torchvision import transforms as T
+
+from imagefolders import make_image_folder
+from paratrain import TrainConfig, train
+from paratrain.data.cache import CachedImages, CachedTrainTransform, prepare
+from paratrain.data.device_batches import DeviceAugmented, DeviceBatch, faster_on_device
+from paratrain.data.folder import build_split
+from paratrain.distributed.env import DistEnv
+from paratrain.distributed.runtime import Runtime
+from paratrain.engine.control import CUDA_CHECK_EVERY, NonFiniteLoss, StepControl
+from paratrain.engine.precision import Precision
+from paratrain.engine.preempt import PreemptionGuard
+from paratrain.engine.recipe import Recipe
+from paratrain.engine.state import Progress
+from paratrain.engine.trainer import train_step
+from paratrain.errors import UserError
+from paratrain.parallel import ModelParts
+from paratrain.report.tensorboard import Board
+
+
+@pytest.fixture
+def split(tmp_path):
+    return build_split(make_image_folder(tmp_path / "data", classes=2, per_class=8, size=(53, 37)))
+
+
+def test_augmenting_on_the_device_gives_the_cpu_paths_tensors(split, tmp_path):
+    """Same boxes for the same draws, same flips, same normalisation: bit for bit."""
+    cache = prepare(split.train, 24, "on", 1.0, str(tmp_path / "cache"), workers=0)
+    keys = [(i, 1000 + i) for i in range(len(split.train))]
+    on_cpu, labels = CachedImages(split.train, cache, CachedTrainTransform(24, 0.3)).__getitems__(
+        keys
+    )
+    batch, same = DeviceAugmented(split.train, CachedTrainTransform(24, 0.3), cache).__getitems__(
+        keys
+    )
+    assert isinstance(batch, DeviceBatch) and torch.equal(labels, same)
+    assert torch.equal(batch.on(torch.device("cpu"), torch.contiguous_format), on_cpu)
+    assert batch.flips.any() and not batch.flips.all()  # both kinds were drawn
+
+
+def test_the_crop_boxes_are_distributed_as_torchvisions_random_resized_crop():
+    """The boxes drawn for the device (and cached) path against torchvision's own
+    RandomResizedCrop.get_params on the same image size: area share and aspect ratio."""
+    transform, image = CachedTrainTransform(32, 0.08), torch.zeros(3, 300, 400)
+    ours, theirs = [], []
+    torch.manual_seed(0)
+    for _ in range(4000):
+        (_, _, h, w), _ = transform.draw(300, 400)
+        ours.append((h * w / (300 * 400), math.log(w / h)))
+        _, _, h, w = T.RandomResizedCrop.get_params(image, (0.08, 1.0), (3 / 4, 4 / 3))
+        theirs.append((h * w / (300 * 400), math.log(w / h)))
+    for column in (0, 1):
+        a = sorted(x[column] for x in ours)
+        b = sorted(x[column] for x in theirs)
+        for q in (0.1, 0.25, 0.5, 0.75, 0.9):  # the quantiles agree to sampling noise
+            assert abs(a[int(q * len(a))] - b[int(q * len(b))]) < 0.03, (column, q)
+
+
+def test_jpegs_decoded_where_the_model_is_train(tmp_path):
+    """No cache: the loader hands over each JPEG's bytes; here the CPU decodes them with
+    the same code a GPU runs (torchvision's decode_jpeg)."""
+    data = make_image_folder(tmp_path / "data", classes=2, per_class=8)
+    summary = train(
+        TrainConfig(
+            data=str(data),
+            image_size=16,
+            batch_size=4,
+            workers=0,
+            epochs=1,
+            cache="off",
+            augment_on="device",
+            precision="32",
+            output_dir=str(tmp_path / "runs"),
+            name="jpeg",
+        )
+    )
+    assert summary["final"]["val_count"] == 4 and math.isfinite(summary["final"]["train_loss"])
+
+
+def test_decoding_moves_to_the_device_only_where_it_is_faster():
+    assert faster_on_device(cpu_seconds=4e-3, device_seconds=2e-4, workers=8)
+    assert not faster_on_device(cpu_seconds=4e-3, device_seconds=2e-3, workers=8)
+    assert not faster_on_device(cpu_seconds=1e-3, device_seconds=2e-3, workers=0)
+
+
+def _run(on_nonfinite: str, sync_free: bool):
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3)
+    )
+    parts = ModelParts([model])
+    optimizer = torch.optim.SGD(parts.parameters(), lr=0.1, momentum=0.9, fused=True)
+    runtime = Runtime(env=DistEnv(), device=torch.device("cpu"), backend=None)
+    cfg = TrainConfig(on_nonfinite=on_nonfinite)
+    recipe = Recipe(criterion=nn.CrossEntropyLoss(), precision=Precision("32", runtime.device))
+    control = StepControl(cfg, runtime, save=None, guard=PreemptionGuard(), sync_free=sync_free)
+    return SimpleNamespace(
+        parts=parts,
+        recipe=recipe,
+        optimizer=optimizer,
+        progress=Progress(),
+        control=control,
+        board=Board(Path("unused"), False, 1),
+        model=model,
+    )
+
+
+def _batch(poisoned: bool = False):
+    images = torch.randn(4, 3, 8, 8)
+    if poisoned:
+        images[0, 0, 0, 0] = float("inf")
+    return [(images, torch.randint(0, 3, (4,)))]
+
+
+def test_without_reading_back_a_skipped_step_still_leaves_everything_as_it_was():
+    """The CUDA behaviour, run on a CPU: the flag goes to the fused kernel as found_inf,
+    BatchNorm's buffers come back through a where; the skip is counted at the check."""
+    run = _run("skip", sync_free=True)
+    train_step(run, iter(_batch()), 1)
+    before = {k: v.clone() for k, v in run.model.state_dict().items()}
+    momentum = [run.optimizer.state[p]["momentum_buffer"].clone() for p in run.model.parameters()]
+    train_step(run, iter(_batch(poisoned=True)), 1)
+    for key, value in run.model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    for p, buffer in zip(run.model.parameters(), momentum, strict=True):
+        assert torch.equal(run.optimizer.state[p]["momentum_buffer"], buffer)
+    assert run.progress.skipped_steps == 0  # not read back yet
+    run.control.check(run.progress)
+    assert run.progress.skipped_steps == 1
+
+
+def test_without_reading_back_a_nan_aborts_at_the_next_check_naming_its_step():
+    run = _run("abort", sync_free=True)
+    train_step(run, iter(_batch()), 1)
+    train_step(run, iter(_batch(poisoned=True)), 1)  # step 2: noted on the device only
+    with pytest.raises(NonFiniteLoss, match="non-finite loss at step 2"):
+        for _ in range(CUDA_CHECK_EVERY):
+            train_step(run, iter(_batch()), 1)
+    assert run.progress.global_step < 2 + CUDA_CHECK_EVERY  # acted on within one interval
+
+
+def test_nproc_beyond_the_gpus_is_refused_in_one_line(monkeypatch, tmp_path):
+    from paratrain.api import check_devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(UserError, match="--nproc 2 needs 2 GPUs and this machine has 1"):
+        check_devices(TrainConfig(nproc=2))
+    check_devices(TrainConfig(nproc=2, device="cuda:0", backend="gloo"))  # shared, as asked
