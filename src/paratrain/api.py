@@ -25,6 +25,7 @@ from paratrain.config import (
     ModelsOptions,
     PlanOptions,
     PredictOptions,
+    RecipesOptions,
     RunsOptions,
     ScaleOptions,
     SlurmOptions,
@@ -196,7 +197,8 @@ def describe_train(cfg: TrainConfig, env: DistEnv, unwritten: Path | None = None
     from paratrain.engine.schedule import describe_schedule, peak_lr
     from paratrain.models.registry import check_input_size
 
-    check_input_size(cfg.model, cfg.image_size)
+    for size in sorted({cfg.train_size, cfg.eval_crop}):
+        check_input_size(cfg.model, size)
     launched = cfg.nproc > 1 and env.source == "single"
     world = cfg.nproc if launched else env.world_size
     cuda = torch.cuda.is_available() and not (cfg.device or "").startswith("cpu")
@@ -216,7 +218,12 @@ def describe_train(cfg: TrainConfig, env: DistEnv, unwritten: Path | None = None
             f"{len(split.val)} val images ({split.layout})"
         )
         plan = survey(
-            split.train + split.val, cfg.image_size, cfg.cache, cfg.cache_max_gb, cfg.cache_dir
+            split.train + split.val,
+            cfg.image_size,
+            cfg.cache,
+            cfg.cache_max_gb,
+            cfg.cache_dir,
+            short=cfg.stored_size,
         )
         resumes = _resumable(cfg, split.classes)
         cache = {
@@ -238,7 +245,8 @@ def describe_train(cfg: TrainConfig, env: DistEnv, unwritten: Path | None = None
         f"  device: {device}, backend {backend if world > 1 else 'none (one process)'}, "
         f"strategy {cfg.strategy}",
         f"  data: {data}",
-        f"  model: {cfg.model} at {cfg.image_size}px (runs at that size)",
+        f"  model: {cfg.model}, trained at {cfg.train_size}px, evaluated at {cfg.eval_crop}px "
+        f"(resized to {cfg.eval_resize}); runs at those sizes",
         f"  global batch: {global_batch} ({cfg.batch_size} x {replicas} replica(s)"
         + (f" x {cfg.grad_accum} micro-batches)" if cfg.grad_accum > 1 else ")"),
         f"  {cfg.opt}: {describe_schedule(peak, cfg)}",
@@ -348,10 +356,10 @@ def _evaluate_worker(
     setup_logging(env.rank, env.world_size)
     # this machine's device, not the training run's: a CUDA checkpoint evaluates on a CPU
     with distributed(env, opts.device, None, saved.timeout) as runtime:
-        model = create_model(saved.model, len(split.classes), saved.image_size)
+        model = create_model(saved.model, len(split.classes), saved.train_size)
         model.load_state_dict(weights)
         model.to(runtime.device)
-        dataset = eval_samples(split.val, saved.image_size)
+        dataset = eval_samples(split.val, saved.eval_crop, saved.eval_resize, saved.interpolation)
         workers = (
             opts.workers if opts.workers is not None else default_workers(env.local_world_size)
         )
@@ -434,11 +442,22 @@ def runs(opts: RunsOptions, say: Say = print) -> list[dict]:
 
 
 def models(opts: ModelsOptions | None = None, say: Say = print) -> list[str]:
-    """Every model name --model accepts."""
+    """Every model name --model accepts (torchvision's, or with --timm timm's)."""
     from paratrain.models.registry import list_models
 
-    names = list_models()
+    names = list_models(timm=bool(opts and opts.timm))
     say("\n".join(names))
+    return names
+
+
+def recipes(opts: RecipesOptions | None = None, say: Say = print) -> list[str]:
+    """The shipped recipes (--recipe NAME), each with its first line."""
+    from paratrain.config.train import RECIPES, shipped_recipes
+
+    names = shipped_recipes()
+    for name in names:
+        first = (RECIPES / f"{name}.yaml").read_text().splitlines()[0].lstrip("# ")
+        say(f"{name}: {first}")
     return names
 
 
@@ -650,6 +669,7 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "export": export,
     "runs": runs,
     "models": models,
+    "recipes": recipes,
     "bench": bench,
     "scale": scale,
     "plan": plan,

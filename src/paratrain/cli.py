@@ -24,6 +24,7 @@ from paratrain.config import (
     ModelsOptions,
     PlanOptions,
     PredictOptions,
+    RecipesOptions,
     RunsOptions,
     ScaleOptions,
     SlurmOptions,
@@ -35,6 +36,7 @@ from paratrain.config import (
     settings,
 )
 from paratrain.config.schema import Setting
+from paratrain.config.train import read_recipe
 from paratrain.errors import UserError
 from paratrain.version import __version__
 
@@ -60,6 +62,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "runs": Command("a table of the runs in a folder", RunsOptions),
     "models": Command("list the model names --model accepts", ModelsOptions),
+    "recipes": Command("list the shipped recipes --recipe NAME takes", RecipesOptions),
     "bench": Command(
         "training-step speed on synthetic data: images/s, time per phase",
         BenchOptions,
@@ -208,7 +211,10 @@ def resolve_train_args(args: argparse.Namespace) -> TrainConfig:
     them, presets for what neither gave."""
     config_file = getattr(args, "config", None)
     given = read_yaml(config_file) if config_file else {}
-    return resolve_train({**given, **_given(args, TrainConfig)})
+    recipe = getattr(args, "recipe", None)
+    return resolve_train(
+        {**given, **_given(args, TrainConfig)}, recipe=read_recipe(recipe) if recipe else None
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -249,7 +255,7 @@ def _slurm(argv: list[str]) -> int:
     add_settings(parser, SlurmOptions)
     known, train_args = parser.parse_known_args(argv)
     train_parser = _Parser(prog="paratrain slurm")
-    add_settings(train_parser, TrainCommand, ("config",))
+    add_settings(train_parser, TrainCommand, ("config", "recipe"))
     add_settings(train_parser, TrainConfig)
     train = train_parser.parse_args(train_args)
     job = build(SlurmOptions, _given(known, SlurmOptions)).validate()

@@ -135,7 +135,7 @@ def test_tensorboard_missing_is_a_clear_error(small_data, monkeypatch):
 @pytest.mark.parametrize(
     ("flag", "value", "message"),
     [
-        ("--opt", "lamb", "invalid choice"),
+        ("--opt", "lion", "invalid choice"),
         ("--label-smoothing", "1.5", "--label-smoothing must be in [0, 1)"),
         ("--ema-decay", "1.0", "--ema-decay must be between 0 and 1"),
         ("--mixup", "-1", "--mixup must be at least 0, got -1.0"),

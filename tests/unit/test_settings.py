@@ -201,7 +201,7 @@ def test_messages_say_what_is_allowed():
     assert describe(s["val_fraction"]) == "between 0 and 1 (exclusive)"
     assert describe(s["hflip"]) == "in [0, 1]"
     assert describe(s["lr"]) == "positive"
-    assert describe(s["opt"]) == "one of sgd, adamw"
+    assert describe(s["opt"]) == "one of sgd, adamw, lars, lamb"
     assert describe(s["resume"]).endswith(", or auto")
 
 
@@ -226,7 +226,7 @@ def test_dry_run_checks_and_describes_without_running(folder, tmp_path, monkeypa
     assert "resolved config:" in out and "  image_size: 224" in out
     assert "2 processes started here by torch's elastic launcher" in out
     assert "global batch: 32 (16 x 2 replica(s))" in out
-    assert "peak lr 0.02 (0.01 x 2, linear scaling), warm-up 1 epoch(s) from 0.01" in out
+    assert "peak lr 0.02 (0.01 x 2, linear scaling), warm-up 1 epoch(s) from 0.0002" in out
     assert "decoded-image cache: would be built" in out
     assert not (tmp_path / "runs").exists() and not cache.exists()  # nothing written
 
@@ -235,7 +235,7 @@ def test_the_start_line_gives_the_peak_rate_and_the_warm_up_apart():
     cfg = TrainConfig(lr=0.01, warmup_epochs=2, epochs=10, lrf=0.1)
     text = describe_schedule(0.04, cfg)
     assert text == (
-        "peak lr 0.04 (0.01 x 4, linear scaling), warm-up 2 epoch(s) from 0.0133333, "
+        "peak lr 0.04 (0.01 x 4, linear scaling), warm-up 2 epoch(s) from 0.0004, "
         "cosine to 0.004 by epoch 10"
     )
 

@@ -63,6 +63,12 @@ def _dry_run() -> bool:
 class TrainCommand(Options):
     """`paratrain train`: what is not a setting of the run itself."""
 
+    recipe: str | None = setting(
+        None,
+        "a recipe: a shipped one by name (see `paratrain recipes`) or a YAML file of "
+        "settings; it fills what neither the flags nor --config give",
+        metavar="NAME|FILE",
+    )
     config: str | None = setting(
         None,
         "YAML file of settings (a run's config.yaml, say); flags given here win over it",
@@ -133,7 +139,12 @@ class RunsOptions(Options):
 
 @dataclass
 class ModelsOptions(Options):
-    """`paratrain models` takes no options."""
+    timm: bool = setting(False, "list timm's models (timm/<name>) instead of torchvision's")
+
+
+@dataclass
+class RecipesOptions(Options):
+    """`paratrain recipes` takes no options."""
 
 
 @dataclass

@@ -20,7 +20,8 @@ import yaml
 from paratrain.config.schema import Options, build, check_paths, coerce_all, read_yaml, setting
 from paratrain.errors import UserError
 
-STRATEGY_NAMES = ("ddp", "dp", "fsdp", "split", "pipeline")  # parallel.STRATEGIES, by name
+STRATEGY_NAMES = ("ddp", "dp", "fsdp", "split", "pipeline")
+OPTIMIZERS = ("sgd", "adamw", "lars", "lamb")  # parallel.STRATEGIES, by name
 PARTITIONED = ("split", "pipeline", "fsdp")
 
 DEVICE = r"cpu|cuda(:\d{1,3})?"
@@ -70,6 +71,33 @@ class TrainConfig(Options):
         low=0,
         high=64,
         default_text="from the cores",
+    )
+    train_crop: int | None = setting(
+        None,
+        "training crop in pixels, where it differs from --image-size",
+        group="data",
+        low=8,
+        high=MAX_IMAGE_SIZE,
+        default_text="--image-size",
+    )
+    val_resize: int | None = setting(
+        None,
+        "validation images' short side before the center crop",
+        group="data",
+        low=8,
+        high=MAX_IMAGE_SIZE,
+        default_text="val crop x 256/224",
+    )
+    val_crop: int | None = setting(
+        None,
+        "validation center crop in pixels",
+        group="data",
+        low=8,
+        high=MAX_IMAGE_SIZE,
+        default_text="--image-size",
+    )
+    interpolation: str = setting(
+        "bilinear", "how images are resized", group="data", choices=("bilinear", "bicubic")
     )
     bad_images: str = setting(
         "error",
@@ -156,16 +184,95 @@ class TrainConfig(Options):
     weight_decay: float = setting(
         0.005, "L2 penalty (decoupled for adamw)", group="optimisation", low=0.0
     )
+    sched: str = setting(
+        "cosine",
+        "learning-rate schedule, updated every step: cosine to lr x lrf; step (x --lr-gamma "
+        "every --lr-step-size epochs); multistep (x --lr-gamma at each --lr-milestones epoch); "
+        "constant",
+        group="optimisation",
+        choices=("cosine", "step", "multistep", "constant"),
+    )
+    lr_step_size: int = setting(30, "step: epochs between decays", group="optimisation", low=1)
+    lr_gamma: float = setting(
+        0.1,
+        "step, multistep: the factor of each decay",
+        group="optimisation",
+        low=0.0,
+        high=1.0,
+        low_open=True,
+    )
+    lr_milestones: str | None = setting(
+        None,
+        "multistep: comma-separated epochs at which the rate decays (e.g. 30,60,80)",
+        group="optimisation",
+        pattern=r"\d+(,\d+)*",
+        pattern_text="epochs separated by commas",
+    )
     warmup_epochs: int = setting(0, "linear warm-up epochs", group="optimisation", low=0)
+    warmup_steps: int = setting(
+        0, "linear warm-up in steps instead of epochs", group="optimisation", low=0
+    )
+    warmup_start: float = setting(
+        0.01,
+        "the warm-up starts at this fraction of the peak rate",
+        group="optimisation",
+        low=0.0,
+        high=1.0,
+    )
     seed: int = setting(
         0, "seed of weights and sampling", group="optimisation", low=0, high=2**32 - 1
     )
     # recipe
     opt: str = setting(
         "sgd",
-        "optimizer; adamw brings lr 0.001 and weight decay 0.05 unless given",
+        "optimizer; adamw and lamb bring lr 0.001 and weight decay 0.05 unless given; lars "
+        "and lamb (layer-wise rates for large batches) are timm's: pip install 'paratrain[timm]'",
         group="recipe",
-        choices=("sgd", "adamw"),
+        choices=OPTIMIZERS,
+    )
+    norm_weight_decay: float | None = setting(
+        None,
+        "weight decay of normalisation layers' weights and biases (0: none, as the "
+        "large-batch recipes do)",
+        group="recipe",
+        low=0.0,
+        default_text="--weight-decay",
+    )
+    bias_weight_decay: float | None = setting(
+        None,
+        "weight decay of the other layers' biases",
+        group="recipe",
+        low=0.0,
+        default_text="--weight-decay",
+    )
+    auto_augment: str = setting(
+        "none",
+        "an augmentation policy after crop and flip (torchvision's): TrivialAugmentWide, "
+        "RandAugment (--ra-ops, --ra-magnitude), AutoAugment's ImageNet policy, AugMix",
+        group="recipe",
+        choices=("none", "trivialaugment", "randaugment", "autoaugment", "augmix"),
+    )
+    ra_ops: int = setting(2, "RandAugment: operations per image", group="recipe", low=1, high=14)
+    ra_magnitude: int = setting(
+        9, "RandAugment: magnitude of every operation", group="recipe", low=0, high=30
+    )
+    augmix_severity: int = setting(
+        3, "AugMix: severity of its operations", group="recipe", low=1, high=10
+    )
+    random_erase: float = setting(
+        0.0,
+        "probability of erasing a random rectangle of each image",
+        group="recipe",
+        low=0.0,
+        high=1.0,
+    )
+    ra_reps: int = setting(
+        1,
+        "repeated augmentation: an epoch's images come K times each, differently augmented "
+        "and on different ranks (the epoch keeps its length: 1/K of the images, K times)",
+        group="recipe",
+        low=1,
+        high=16,
     )
     label_smoothing: float = setting(
         0.0, "cross-entropy label smoothing", group="recipe", low=0.0, high=1.0, high_open=True
@@ -361,6 +468,15 @@ class TrainConfig(Options):
         check_paths(self)
 
     def combinations(self) -> None:
+        if self.warmup_epochs and self.warmup_steps:
+            raise UserError("--warmup-epochs and --warmup-steps are alternatives; give one")
+        if self.sched == "multistep" and not self.lr_milestones:
+            raise UserError("--sched multistep needs --lr-milestones (e.g. 30,60,80)")
+        if self.val_resize is not None and self.val_resize < self.eval_crop:
+            raise UserError(
+                f"--val-resize {self.val_resize} is smaller than the validation crop "
+                f"{self.eval_crop}"
+            )
         """Rules between settings: what one strategy cannot combine with, and what it needs."""
         if self.strategy == "dp" and self.nproc > 1:
             raise UserError(
@@ -414,6 +530,30 @@ class TrainConfig(Options):
             if not re.fullmatch(DEVICE, name):
                 raise UserError(f"--devices: not a device name: {name!r} ({DEVICE_TEXT})")
         return names
+
+    @property
+    def train_size(self) -> int:
+        """The training crop: what the model sees in training."""
+        return self.train_crop or self.image_size
+
+    @property
+    def eval_crop(self) -> int:
+        """The validation center crop."""
+        return self.val_crop or self.image_size
+
+    @property
+    def eval_resize(self) -> int:
+        """The validation short side before the crop (torchvision's 256/224 by default)."""
+        return self.val_resize or int(round(self.eval_crop * 256 / 224))
+
+    @property
+    def stored_size(self) -> int:
+        """The short side the decoded cache keeps: what the larger of training and
+        validation needs (validation's resize, unless training crops need more)."""
+        return max(self.eval_resize, int(round(self.train_size * 256 / 224)))
+
+    def milestone_list(self) -> list[int]:
+        return [int(m) for m in (self.lr_milestones or "").split(",") if m]
 
     def split_point_list(self) -> list[str] | None:
         """--split-points as a list of unit names (None: balance automatically)."""
@@ -479,27 +619,52 @@ PRESETS = (
         },
         "no --data: the embedded digits set",
     ),
-    # What AdamW is usually run with (timm's and torchvision's ViT recipes are close):
+    # What AdamW (and LAMB, its layer-wise kin) is usually run with (timm's and torchvision's ViT recipes are close):
     # SGD's rate would be far too large for it.
     Preset(
         "adamw",
-        lambda v: v.get("opt") == "adamw",
+        lambda v: v.get("opt") in ("adamw", "lamb"),
         {"lr": 0.001, "weight_decay": 0.05},
-        "--opt adamw",
+        "--opt adamw or lamb",
     ),
 )
 
 
-def resolve_train(given: Mapping[str, Any], source: str = "arguments") -> TrainConfig:
+def resolve_train(
+    given: Mapping[str, Any], source: str = "arguments", recipe: Mapping[str, Any] | None = None
+) -> TrainConfig:
     """The config from what the user gave (a YAML file's keys with the flags over them,
     or a mapping from Python): each preset that applies fills the settings the user did
-    not give, later presets over earlier ones; then everything is checked."""
+    not give, later presets over earlier ones; a ``recipe`` (--recipe) over them; then
+    everything is checked."""
     values = coerce_all(TrainConfig, given, source)
-    resolved = dict(values)
+    chosen = coerce_all(TrainConfig, recipe or {}, "--recipe")
+    resolved = {**chosen, **values}
     for preset in PRESETS:
         if preset.applies(resolved):
-            resolved.update({k: v for k, v in preset.values.items() if k not in values})
+            taken = {**chosen, **values}
+            resolved.update({k: v for k, v in preset.values.items() if k not in taken})
     return TrainConfig(**resolved).validate()
+
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+
+
+def shipped_recipes() -> list[str]:
+    return sorted(p.stem for p in RECIPES.glob("*.yaml"))
+
+
+def read_recipe(name_or_path: str) -> dict[str, Any]:
+    """A recipe's settings: a shipped one by name, or a YAML file."""
+    path = Path(name_or_path).expanduser()
+    if not path.is_file():
+        path = RECIPES / f"{name_or_path}.yaml"
+    if not path.is_file():
+        raise UserError(
+            f"--recipe {name_or_path}: no such file, and no shipped recipe of that name "
+            f"(shipped: {', '.join(shipped_recipes())})"
+        )
+    return read_yaml(path)
 
 
 def preset_notes(cfg: TrainConfig) -> list[str]:

@@ -43,7 +43,13 @@ from paratrain.data.folder import (
     read_rgb,
     seeded,
 )
-from paratrain.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_resize
+from paratrain.data.transforms import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    INTERPOLATION,
+    Augment,
+    eval_resize,
+)
 from paratrain.distributed import comm
 from paratrain.distributed.env import DistEnv
 from paratrain.errors import AgreedUserError
@@ -215,6 +221,7 @@ def prepare(
     root: str | None,
     workers: int,
     env: DistEnv | None = None,
+    short: int | None = None,
 ) -> DecodedCache | None:
     """Open, or build, the cache of ``samples`` on every node of the job; None when off.
 
@@ -237,14 +244,14 @@ def prepare(
         local_world_size=comm.world_size(),
     )
     told = False
-    short = eval_resize(image_size)
+    short = short or eval_resize(image_size)
     base = (Path(root) if root else default_cache_dir()) / "decoded"
     key = cache_key(samples, short)
     final = base / key
     while True:
         mine = None
         if env.local_rank == 0:
-            mine = _plan_node(samples, image_size, mode, max_gb, base, key)
+            mine = _plan_node(samples, short, mode, max_gb, base, key)
         plans = {n: plan for n, plan in comm.all_gather_object((env.node_rank, mine)) if plan}
         for action, _, reason in plans.values():
             if action == "error":
@@ -274,11 +281,10 @@ def prepare(
         comm.barrier()
 
 
-def _plan_node(samples, image_size, mode, max_gb, base: Path, key: str) -> tuple[str, str, str]:
+def _plan_node(samples, short: int, mode, max_gb, base: Path, key: str) -> tuple[str, str, str]:
     """(action, folder, why) for this node: "ready" (a valid cache), "build" (into a
     temporary folder, this process holding the lock), "wait" (another process held the
     lock: it has finished; look again), "skip" or "error" (why)."""
-    short = eval_resize(image_size)
     final = base / key
     problem = verify(final, len(samples), short) if final.exists() else None
     if final.exists() and problem is None:
@@ -301,7 +307,7 @@ def _plan_node(samples, image_size, mode, max_gb, base: Path, key: str) -> tuple
     if final.exists() and problem is None:  # finished while we looked
         os.close(handle)
         return "ready", str(final), ""
-    plan = survey(samples, image_size, mode, max_gb, str(base.parent))
+    plan = survey(samples, 0, mode, max_gb, str(base.parent), short=short)
     if plan.action == "skip":
         os.close(handle)
         return "skip", "", plan.reason
@@ -384,10 +390,16 @@ class CachePlan:
 
 
 def survey(
-    samples: Sequence[Sample], image_size: int, mode: str, max_gb: float, root: str | None
+    samples: Sequence[Sample],
+    image_size: int,
+    mode: str,
+    max_gb: float,
+    root: str | None,
+    short: int | None = None,
 ) -> CachePlan:
-    """The plan for ``samples`` without writing anything (reads each file's header)."""
-    short = eval_resize(image_size)
+    """The plan for ``samples`` without writing anything (reads each file's header);
+    ``short``: the short side stored (default: what evaluation at ``image_size`` needs)."""
+    short = short or eval_resize(image_size)
     base = (Path(root) if root else default_cache_dir()) / "decoded"
     if mode == "off":
         return CachePlan("skip", None, 0, "--cache off")
@@ -438,8 +450,7 @@ class CachedImages(ImageSamples):
         size = self.transform.size
         batch = torch.empty(len(keys), 3, size, size)
         for slot, (index, seed) in zip(batch, keys, strict=True):
-            with seeded(seed):
-                self.transform(self.load(index), out=slot)
+            self.transform.sample(self.load(index), seed, out=slot)
         return batch, labels
 
 
@@ -452,15 +463,28 @@ def _to_float(image: torch.Tensor) -> torch.Tensor:
     return image.float().div(255)  # as ToTensor does, so both paths agree bit for bit
 
 
+POLICY_SEED = 0x5EED_0F_A11  # the policy's and eraser's draws: a stream of their own
+
+
+def policy_seed(seed: int) -> int:
+    """The seed of a sample's policy and erasing draws, apart from its crop's, so the
+    cached and the device path draw them alike (the device draws them later)."""
+    return seed ^ POLICY_SEED
+
+
 class CachedTrainTransform:
-    """RandomResizedCrop + horizontal flip + normalisation on a cached uint8 CHW tensor.
+    """RandomResizedCrop + horizontal flip + policy + normalisation + erasing on a cached
+    uint8 CHW tensor.
 
     The same augmentation as the decode path's, written against torchvision's functional
     API: the transform classes' dispatch costs as much as the resize itself at this size.
     """
 
-    def __init__(self, size: int, crop_scale_min: float = 0.08, hflip: float = 0.5):
-        self.size, self.scale, self.hflip = size, (crop_scale_min, 1.0), hflip
+    def __init__(self, size: int | Augment, crop_scale_min: float = 0.08, hflip: float = 0.5):
+        aug = size if isinstance(size, Augment) else Augment(size, crop_scale_min, hflip)
+        self.size, self.scale, self.hflip = aug.size, (aug.crop_scale_min, 1.0), aug.hflip
+        self.interpolation = INTERPOLATION[aug.interpolation]
+        self.policy, self.eraser = aug.policy_transform(), aug.eraser()
         self.mean = torch.tensor(IMAGENET_MEAN).mul(255).view(3, 1, 1)
         self.inv_std = torch.tensor(IMAGENET_STD).mul(255).reciprocal().view(3, 1, 1)
 
@@ -502,13 +526,25 @@ class CachedTrainTransform:
         """Crop, resize, flip and normalise ``image`` on its own device."""
         top, left, height, width = box
         crop = F2.resized_crop(
-            image, top, left, height, width, [self.size, self.size], antialias=True
+            image,
+            top,
+            left,
+            height,
+            width,
+            [self.size, self.size],
+            interpolation=self.interpolation,
+            antialias=True,
         )
         if flip:
             crop = crop.flip(-1)
+        if self.policy is not None:
+            crop = self.policy(crop)
         out = crop.float() if out is None else out.copy_(crop)
         mean, inv_std = self._constants(out.device)
-        return out.sub_(mean).mul_(inv_std)
+        out = out.sub_(mean).mul_(inv_std)
+        if self.eraser is not None:
+            out.copy_(self.eraser(out))
+        return out
 
     def _constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self.mean.device != device:
@@ -518,6 +554,15 @@ class CachedTrainTransform:
     def __call__(self, image: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         box, flip = self.draw(image.shape[-2], image.shape[-1])
         return self.apply(image, box, flip, out)
+
+    def sample(
+        self, image: torch.Tensor, seed: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The augmentation of one sample, every draw from its seed."""
+        with seeded(seed):
+            box, flip = self.draw(image.shape[-2], image.shape[-1])
+        with seeded(policy_seed(seed)):
+            return self.apply(image, box, flip, out)
 
 
 def cached_train_transform(

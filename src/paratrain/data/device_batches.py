@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 from PIL import Image
 
-from paratrain.data.cache import CachedTrainTransform
+from paratrain.data.cache import CachedTrainTransform, policy_seed
 from paratrain.data.folder import ImageSamples, Sample, load_rgb, seeded
 
 JPEG_MAGIC = b"\xff\xd8\xff"
@@ -33,7 +33,8 @@ class DeviceBatch:
     encoded: list[bool]
     boxes: torch.Tensor  # (B, 4) int64: top, left, height, width in the upright image
     flips: torch.Tensor  # (B,) bool
-    augment: CachedTrainTransform  # its apply(): crop, resize, flip, normalise
+    seeds: list[int]  # each sample's: its policy and erasing draw from policy_seed(seed)
+    augment: CachedTrainTransform  # its apply(): crop, resize, flip, policy, normalise, erase
 
     def __len__(self) -> int:
         return len(self.images)
@@ -59,10 +60,10 @@ class DeviceBatch:
                 images[i] = image
         size = self.augment.size
         out = torch.empty(len(images), 3, size, size, device=device)
-        for slot, image, box, flip in zip(
-            out, images, self.boxes.tolist(), self.flips.tolist(), strict=True
-        ):
-            self.augment.apply(image, box, flip, slot)
+        rows = zip(out, images, self.boxes.tolist(), self.flips.tolist(), self.seeds, strict=True)
+        for slot, image, box, flip, seed in rows:
+            with seeded(policy_seed(seed)):
+                self.augment.apply(image, box, flip, slot)
         return out.contiguous(memory_format=memory_format)
 
 
@@ -108,6 +109,7 @@ class DeviceAugmented(ImageSamples):
             encoded,
             torch.tensor(boxes, dtype=torch.int64),
             torch.tensor(flips, dtype=torch.bool),
+            [seed for _, seed in keys],
             self.transform,
         )
         return batch, labels

@@ -14,17 +14,17 @@ from torch.utils.data import DataLoader
 from paratrain.config import TrainConfig
 from paratrain.data.cache import (
     CachedImages,
+    CachedTrainTransform,
     DecodedCache,
     batched,
     cached_eval_transform,
-    cached_train_transform,
     prepare,
 )
 from paratrain.data.device_batches import DeviceAugmented, decode_faster_on_device
 from paratrain.data.folder import DataSplit, ImageSamples
 from paratrain.data.samplers import ShardedEvalSampler, TrainBatches, TrainSampler, train_sampler
 from paratrain.data.scan import screen
-from paratrain.data.transforms import eval_samples, train_transform
+from paratrain.data.transforms import Augment, eval_samples, train_transform
 from paratrain.distributed.runtime import Runtime, threads_per_process
 from paratrain.errors import AgreedUserError
 
@@ -80,6 +80,7 @@ def prepare_data(
         cfg.cache_dir,
         workers,
         runtime.env,
+        short=cfg.stored_size,
     )
     found = cache.bad if cache is not None else None
     screened = screen(
@@ -117,24 +118,22 @@ def make_loaders(
     on_device = cfg.augment_on == "device" or (
         cfg.augment_on == "auto" and runtime.device.type == "cuda"
     )
+    augment = Augment.of(cfg)
     if on_device and (cache is not None or _decode_on_device(cfg, split, runtime, workers)):
-        transform = cached_train_transform(cfg.image_size, cfg.crop_scale_min, cfg.hflip)
-        train_set = DeviceAugmented(split.train, transform, cache)
+        train_set = DeviceAugmented(split.train, CachedTrainTransform(augment), cache)
         common["collate_fn"] = batched
-        if cache is not None:
-            val_set = CachedImages(split.val, cache, cached_eval_transform(cfg.image_size))
-        else:
-            val_set = eval_samples(split.val, cfg.image_size)
     elif cache is not None:
-        transform = cached_train_transform(cfg.image_size, cfg.crop_scale_min, cfg.hflip)
-        train_set = CachedImages(split.train, cache, transform)
-        val_set = CachedImages(split.val, cache, cached_eval_transform(cfg.image_size))
+        train_set = CachedImages(split.train, cache, CachedTrainTransform(augment))
         common["collate_fn"] = batched
     else:
-        transform = train_transform(cfg.image_size, cfg.crop_scale_min, cfg.hflip)
-        train_set = ImageSamples(split.train, transform)
-        val_set = eval_samples(split.val, cfg.image_size)
-    sampler = train_sampler(len(train_set), replica, replicas, cfg.seed)
+        train_set = ImageSamples(split.train, train_transform(augment))
+    # validation from the cache where it holds validation's resize (bit for bit the decode
+    # path's tensors), else decoded: a second resize would change them
+    if cache is not None and cfg.stored_size == cfg.eval_resize:
+        val_set = CachedImages(split.val, cache, cached_eval_transform(cfg.eval_crop))
+    else:
+        val_set = eval_samples(split.val, cfg.eval_crop, cfg.eval_resize, cfg.interpolation)
+    sampler = train_sampler(len(train_set), replica, replicas, cfg.seed, cfg.ra_reps)
     if len(sampler) == 1:
         raise AgreedUserError(
             f"{len(train_set)} training image(s) give each of {replicas} model copies 1 image "

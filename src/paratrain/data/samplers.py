@@ -27,8 +27,11 @@ class TrainSampler(Sampler[tuple[int, int]]):
     Each item is ``(index, augmentation seed)``.
     """
 
-    def __init__(self, dataset_len: int, rank: int, world_size: int, seed: int = 0):
+    def __init__(
+        self, dataset_len: int, rank: int, world_size: int, seed: int = 0, repeats: int = 1
+    ):
         self.n, self.rank, self.world_size, self.seed = dataset_len, rank, world_size, seed
+        self.repeats = repeats
         self.epoch, self.consumed = 0, 0
 
     def set_epoch(self, epoch: int, consumed: int = 0) -> None:
@@ -39,6 +42,9 @@ class TrainSampler(Sampler[tuple[int, int]]):
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)
         order = torch.randperm(self.n, generator=generator).tolist()
+        if self.repeats > 1:  # repeated augmentation: each image K times, side by side, so
+            # the K copies go to K different ranks; the epoch keeps its n samples
+            order = [index for index in order for _ in range(self.repeats)][: self.n]
         total = math.ceil(self.n / self.world_size) * self.world_size
         return order + (order * math.ceil(total / max(self.n, 1)))[: total - self.n]
 
@@ -46,6 +52,11 @@ class TrainSampler(Sampler[tuple[int, int]]):
         order = self._global_order()
         for position in range(self.consumed + self.rank, len(order), self.world_size):
             yield order[position], sample_seed(self.seed, self.epoch, position)
+
+    @property
+    def total(self) -> int:
+        """Samples in an epoch's global order (the data, padded to a multiple of ranks)."""
+        return math.ceil(self.n / self.world_size) * self.world_size
 
     def __len__(self) -> int:
         total = math.ceil(self.n / self.world_size) * self.world_size
@@ -86,9 +97,11 @@ class TrainBatches(Sampler):
         return full + (rest > 0)
 
 
-def train_sampler(dataset_len: int, rank: int, world_size: int, seed: int) -> TrainSampler:
+def train_sampler(
+    dataset_len: int, rank: int, world_size: int, seed: int, repeats: int = 1
+) -> TrainSampler:
     """The training sampler of one shard of ``replicas``."""
-    return TrainSampler(dataset_len, rank, world_size, seed)
+    return TrainSampler(dataset_len, rank, world_size, seed, repeats)
 
 
 class ShardedEvalSampler(Sampler[int]):

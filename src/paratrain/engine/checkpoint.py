@@ -9,6 +9,7 @@ file, flushed, fsynced and renamed, so a reader sees the old file or the new one
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import shutil
@@ -23,7 +24,7 @@ from paratrain.config import TrainConfig
 from paratrain.distributed.runtime import Runtime
 from paratrain.engine import sharded
 from paratrain.engine.recipe import Recipe
-from paratrain.engine.schedule import lr_factor, peak_lr
+from paratrain.engine.schedule import Schedule, peak_lr
 from paratrain.engine.state import Progress, gathered_rng_states, restore_rng
 from paratrain.errors import UserError
 from paratrain.log import get_logger
@@ -201,12 +202,12 @@ class Checkpointer:
         runtime: Runtime,
         parts: ModelParts,
         optimizer: torch.optim.Optimizer,
-        scheduler,
+        schedule: Schedule,
         classes: list[str],
         recipe: Recipe,
     ):
         self.cfg, self.dir, self.runtime = cfg, run_dir / "checkpoints", runtime
-        self.parts, self.optimizer, self.scheduler = parts, optimizer, scheduler
+        self.parts, self.optimizer, self.schedule = parts, optimizer, schedule
         self.classes, self.recipe = classes, recipe
 
     def save(self, progress: Progress, val_top1: float | None = None) -> None:
@@ -248,7 +249,7 @@ class Checkpointer:
         ema, scaler = self.recipe.ema, self.recipe.precision.scaler
         return {
             "ema": ema.state_dict() if ema is not None else None,
-            "scheduler": self.scheduler.state_dict(),
+            "schedule": dataclasses.asdict(self.schedule),  # for a reader: it is derived
             "scaler": scaler.state_dict() if scaler is not None else None,
             "epoch": progress.epoch,
             "step_in_epoch": progress.step_in_epoch,
@@ -358,7 +359,6 @@ def resume(
     runtime: Runtime,
     parts: ModelParts,
     optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
     recipe: Recipe,
     classes: list[str],
 ) -> Progress:
@@ -388,7 +388,6 @@ def resume(
             log.warning(f"{path} holds no EMA weights: the average starts from the resumed ones")
     if not in_shards:
         parts.load_optimizer_state_dict(optimizer, state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
     restore_rng(state.get("rng"), runtime.rank)
     progress = Progress(
         epoch=state["epoch"],
@@ -399,7 +398,7 @@ def resume(
         best_top1=state.get("best_top1", -1.0),
     )
     old_replicas = state.get("world_size", parts.replicas)
-    _continue_schedule(saved, old_replicas, cfg, parts.replicas, optimizer, scheduler)
+    _continue_with(saved, old_replicas, cfg, parts.replicas, optimizer)
     if samples_per_step(saved, old_replicas) != samples_per_step(cfg, parts.replicas):
         # the epoch goes on from the same sample of its order: nothing skipped or repeated
         progress.step_in_epoch = progress.consumed // samples_per_step(cfg, parts.replicas)
@@ -414,21 +413,16 @@ def resume(
     return progress
 
 
-def _continue_schedule(
-    saved: TrainConfig, old_replicas: int, cfg: TrainConfig, replicas: int, optimizer, scheduler
+def _continue_with(
+    saved: TrainConfig, old_replicas: int, cfg: TrainConfig, replicas: int, optimizer
 ) -> None:
-    """The schedule continues at its epoch under this run's rates: the peak for this
-    global batch, warm-up, end, epochs; momentum and weight decay as given now."""
-    new_lr, old_lr = peak_lr(cfg, replicas), peak_lr(saved, old_replicas)
-    scheduler.base_lrs = [new_lr for _ in scheduler.base_lrs]
-    factor = lr_factor(scheduler.last_epoch, cfg.epochs, cfg.lrf, cfg.warmup_epochs)
+    """This run's momentum and weight decay in the loaded optimizer (the schedule's rate
+    is set every step from where training stands); say what the rates became."""
     for group in optimizer.param_groups:
-        group["lr"] = new_lr * factor
-        group["initial_lr"] = new_lr
-        group["weight_decay"] = cfg.weight_decay
         if "momentum" in group:
             group["momentum"] = cfg.momentum
-    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    _set_weight_decay(optimizer, cfg)
+    new_lr, old_lr = peak_lr(cfg, replicas), peak_lr(saved, old_replicas)
     if old_replicas != replicas:
         get_logger().info(
             f"world size {old_replicas} -> {replicas}: global batch "
@@ -437,3 +431,15 @@ def _continue_schedule(
         )
     elif old_lr != new_lr:
         get_logger().info(f"peak lr {old_lr:g} -> {new_lr:g}")
+
+
+def _set_weight_decay(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> None:
+    """Each group's decay as this run's settings give it (groups are named by kind)."""
+    decay = {
+        "decay": cfg.weight_decay,
+        "norm": cfg.norm_weight_decay,
+        "bias": cfg.bias_weight_decay,
+    }
+    for group in optimizer.param_groups:
+        value = decay.get(group.get("kind", "decay"))
+        group["weight_decay"] = cfg.weight_decay if value is None else value

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from paratrain.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_resize
+from paratrain.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 
 
 def default_output(checkpoint_path: str, fmt: str, ema: bool) -> Path:
@@ -43,13 +43,13 @@ def export(
         "model": cfg.model,
         "classes": classes,
         # the eval transform: RGB, resize the short side, center crop, then normalise
-        "resize": eval_resize(cfg.image_size),
-        "image_size": cfg.image_size,
+        "resize": cfg.eval_resize,
+        "image_size": cfg.eval_crop,
         "mean": list(IMAGENET_MEAN),
         "std": list(IMAGENET_STD),
     }
     if fmt == "pt2":
-        _save_program(model, cfg.image_size, meta, target)
+        _save_program(model, cfg.eval_crop, meta, target)
     else:
         _save_safetensors(model, meta, target)
     index = target.parent / "class_indices.json"

@@ -11,7 +11,7 @@ import torch
 
 from paratrain.config import TrainConfig
 from paratrain.data.folder import IMAGE_EXTENSIONS, load_rgb
-from paratrain.data.transforms import eval_resize, eval_transform
+from paratrain.data.transforms import eval_transform
 from paratrain.distributed.env import DistEnv
 from paratrain.distributed.runtime import choose_device
 from paratrain.engine import checkpoint
@@ -55,7 +55,7 @@ def load_for_inference(
     """The checkpoint's model (eval mode), its config and its class names."""
     state = checkpoint.load(checkpoint_path, with_optimizer=False)
     cfg = TrainConfig.from_dict(state["config"], source=checkpoint_path)
-    model = create_model(cfg.model, len(state["classes"]), cfg.image_size)
+    model = create_model(cfg.model, len(state["classes"]), cfg.train_size)
     model.load_state_dict(weights_of(state, checkpoint_path, ema))
     return model.to(device).eval(), cfg, state["classes"]
 
@@ -74,7 +74,8 @@ def predict(
         raise UserError(f"--top-k must be at least 1, got {top_k}")
     device = choose_device(DistEnv(), device)
     model, cfg, classes = load_for_inference(checkpoint_path, device, ema)
-    transform, shrink = eval_transform(cfg.image_size), eval_resize(cfg.image_size)
+    transform = eval_transform(cfg.eval_crop, cfg.eval_resize, cfg.interpolation)
+    shrink = cfg.eval_resize
     paths = collect_images(inputs)
     k = min(top_k, len(classes))
     rows = []

@@ -1,29 +1,20 @@
-"""Learning-rate schedule: linear warm-up, then per-epoch cosine from lr down to lr*lrf."""
+"""Learning-rate schedules, set every step: linear warm-up, then cosine, step, multistep
+or constant.
+
+The rate is a function of how far training is, in epochs (a float: finished epochs plus
+the share of this one's samples trained on), not of a step counter: a run resumed with
+another batch size or world size (so another number of steps an epoch) continues the
+same curve, and nothing about the schedule needs saving.
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from paratrain.config import TrainConfig
-
-
-def cosine_factor(epoch: int, epochs: int, lrf: float) -> float:
-    """lf(x) = ((1 + cos(pi*x/epochs)) / 2) * (1 - lrf) + lrf."""
-    return ((1 + math.cos(math.pi * epoch / epochs)) / 2) * (1 - lrf) + lrf
-
-
-def lr_factor(epoch: int, epochs: int, lrf: float, warmup_epochs: int = 0) -> float:
-    """Multiplier of the base lr during ``epoch`` (0-based).
-
-    Warm-up epochs ramp linearly, 1/(W+1), 2/(W+1), ..., up to the cosine value; the
-    cosine runs over the epochs after warm-up.
-    """
-    if epoch < warmup_epochs:
-        return (epoch + 1) / (warmup_epochs + 1) * cosine_factor(0, epochs, lrf)
-    span = max(epochs - warmup_epochs, 1)
-    return cosine_factor(epoch - warmup_epochs, span, lrf)
 
 
 def effective_lr(lr: float, world_size: int, scaling: str) -> float:
@@ -36,23 +27,80 @@ def peak_lr(cfg: TrainConfig, replicas: int) -> float:
     return effective_lr(cfg.lr, replicas * cfg.grad_accum, cfg.lr_scaling)
 
 
+@dataclass(frozen=True)
+class Schedule:
+    peak: float
+    epochs: int
+    kind: str = "cosine"  # cosine, step, multistep, constant
+    lrf: float = 0.1  # cosine: where it ends, as a fraction of the peak
+    warmup: float = 0.0  # epochs
+    warmup_start: float = 0.01  # the warm-up's first rate, as a fraction of the peak
+    step_size: int = 30  # step: epochs between decays
+    gamma: float = 0.1  # step, multistep: the factor of each decay
+    milestones: tuple[int, ...] = ()  # multistep: epochs at which the rate decays
+
+    def factor(self, t: float) -> float:
+        """The multiplier of the peak rate ``t`` epochs into training."""
+        if t < self.warmup:
+            return self.warmup_start + (1 - self.warmup_start) * t / self.warmup
+        after = t - self.warmup
+        if self.kind == "cosine":
+            span = max(self.epochs - self.warmup, 1e-9)
+            x = min(max(after / span, 0.0), 1.0)
+            return self.lrf + (1 - self.lrf) * (1 + math.cos(math.pi * x)) / 2
+        if self.kind == "step":
+            return self.gamma ** math.floor(after / self.step_size + 1e-9)
+        if self.kind == "multistep":
+            return self.gamma ** sum(1 for m in self.milestones if t >= m - 1e-9)
+        return 1.0
+
+    def lr(self, t: float) -> float:
+        """The learning rate ``t`` epochs into training."""
+        return self.peak * self.factor(t)
+
+    def apply(self, optimizer: torch.optim.Optimizer, t: float) -> float:
+        """Set every group's rate for a step ``t`` epochs into training; returns it."""
+        lr = self.lr(t)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+
+def build_schedule(cfg: TrainConfig, replicas: int, steps_per_epoch: int) -> Schedule:
+    """The run's schedule: its peak for this global batch, warm-up in epochs (or in
+    steps, converted with this run's steps an epoch)."""
+    warmup = float(cfg.warmup_epochs)
+    if cfg.warmup_steps:
+        warmup = cfg.warmup_steps / max(steps_per_epoch, 1)
+    return Schedule(
+        peak=peak_lr(cfg, replicas),
+        epochs=cfg.epochs,
+        kind=cfg.sched,
+        lrf=cfg.lrf,
+        warmup=warmup,
+        warmup_start=cfg.warmup_start,
+        step_size=cfg.lr_step_size,
+        gamma=cfg.lr_gamma,
+        milestones=tuple(cfg.milestone_list()),
+    )
+
+
 def describe_schedule(peak: float, cfg: TrainConfig) -> str:
     """The rates a run goes through, for the start line and --dry-run: the peak, the
-    warm-up (which starts lower) and where the cosine ends."""
+    warm-up (which starts lower) and how the rate falls."""
     warm = ""
-    if cfg.warmup_epochs:
-        first = lr_factor(0, cfg.epochs, cfg.lrf, cfg.warmup_epochs) * peak
-        warm = f", warm-up {cfg.warmup_epochs} epoch(s) from {first:g}"
+    if cfg.warmup_epochs or cfg.warmup_steps:
+        length = (
+            f"{cfg.warmup_epochs} epoch(s)" if cfg.warmup_epochs else f"{cfg.warmup_steps} step(s)"
+        )
+        warm = f", warm-up {length} from {peak * cfg.warmup_start:g}"
     scaled = (
         f" ({cfg.lr:g} x {peak / cfg.lr:g}, {cfg.lr_scaling} scaling)" if peak != cfg.lr else ""
     )
-    return f"peak lr {peak:g}{scaled}{warm}, cosine to {peak * cfg.lrf:g} by epoch {cfg.epochs}"
-
-
-def build_scheduler(
-    optimizer: torch.optim.Optimizer, epochs: int, lrf: float, warmup_epochs: int
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """The per-epoch schedule: warm-up, then cosine from the peak to peak x lrf."""
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda e: lr_factor(e, epochs, lrf, warmup_epochs)
-    )
+    then = {
+        "cosine": f"cosine to {peak * cfg.lrf:g} by epoch {cfg.epochs}",
+        "step": f"x {cfg.lr_gamma:g} every {cfg.lr_step_size} epoch(s)",
+        "multistep": f"x {cfg.lr_gamma:g} at epochs {cfg.lr_milestones}",
+        "constant": "constant",
+    }[cfg.sched]
+    return f"peak lr {peak:g}{scaled}{warm}, {then}"

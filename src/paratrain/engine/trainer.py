@@ -30,7 +30,7 @@ from paratrain.engine.control import StepControl
 from paratrain.engine.evaluate import EvalResult, evaluate
 from paratrain.engine.preempt import PreemptionGuard
 from paratrain.engine.recipe import Recipe, build_optimizer, build_recipe
-from paratrain.engine.schedule import build_scheduler, describe_schedule, peak_lr
+from paratrain.engine.schedule import Schedule, build_schedule, describe_schedule, peak_lr
 from paratrain.engine.state import Progress
 from paratrain.errors import AgreedUserError, UserError
 from paratrain.log import get_logger
@@ -54,7 +54,7 @@ class Run:
     run_dir: Path
     parts: ModelParts
     optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
+    schedule: Schedule
     recipe: Recipe
     loaders: Loaders
     progress: Progress
@@ -92,7 +92,8 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
         torch.backends.cudnn.benchmark = False
     split = build_split(cfg.data, cfg.val_fraction, cfg.split_seed)
     try:  # before any file is written or image decoded; the same answer on every rank
-        check_input_size(cfg.model, cfg.image_size)
+        for size in sorted({cfg.train_size, cfg.eval_crop}):
+            check_input_size(cfg.model, size)
     except UserError as exc:
         raise AgreedUserError(str(exc)) from None
     run_dir, resume_from = comm.agree(lambda: resolve_run(cfg))
@@ -102,21 +103,20 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
     optimizer = build_optimizer(parts, cfg, parts.replicas)
     recipe = build_recipe(cfg, parts, classes, precision_module.build(cfg, runtime))
     recipe.precision.prepare(parts)  # after the EMA copy: it averages the model as built
-    scheduler = build_scheduler(optimizer, cfg.epochs, cfg.lrf, cfg.warmup_epochs)
     seed_everything(cfg.seed + 1000 * runtime.rank)  # model randomness (dropout) differs per rank
     progress = Progress()
     if resume_from is not None:
         try:  # the same checkpoint and settings on every rank: told once
-            progress = resume(
-                resume_from, cfg, runtime, parts, optimizer, scheduler, recipe, split.classes
-            )
+            progress = resume(resume_from, cfg, runtime, parts, optimizer, recipe, split.classes)
         except UserError as exc:
             raise AgreedUserError(str(exc)) from None
     progress.totals = progress.totals.to(parts.output_device)  # summed where computed
     loaders = make_loaders(
         cfg, split, runtime, cache, parts.replica, parts.replicas, parts.fixed_batch
     )
-    saver = Checkpointer(cfg, run_dir, runtime, parts, optimizer, scheduler, split.classes, recipe)
+    steps = -(-len(loaders.train) // cfg.grad_accum)
+    schedule = build_schedule(cfg, parts.replicas, steps)
+    saver = Checkpointer(cfg, run_dir, runtime, parts, optimizer, schedule, split.classes, recipe)
     control = StepControl(
         cfg,
         runtime,
@@ -148,7 +148,7 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
         run_dir,
         parts,
         optimizer,
-        scheduler,
+        schedule,
         recipe,
         loaders,
         progress,
@@ -185,6 +185,7 @@ def train_epoch(run: Run, epoch: int) -> float:
     while remaining:
         count = min(cfg.grad_accum, remaining)  # the epoch's last step may have fewer
         remaining -= count
+        run.schedule.apply(run.optimizer, epoch + progress.consumed / run.loaders.sampler.total)
         images = train_step(run, itertools.islice(batches, count), count)
         if bar is not None:
             bar.update(images * parts.replicas)
@@ -269,8 +270,7 @@ def record_epoch(
 ) -> None:
     """Step the schedule, save, and write the epoch's metrics row, curves and line."""
     progress = run.progress
-    epoch_lr = run.optimizer.param_groups[0]["lr"]
-    run.scheduler.step()
+    epoch_lr = run.schedule.lr(epoch)
     totals = comm.all_reduce_sum(progress.totals).tolist()
     row = {
         "epoch": epoch + 1,

@@ -18,13 +18,46 @@ from paratrain.log import get_logger
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
-def list_models() -> list[str]:
-    """Every torchvision classification model name."""
+TIMM = "timm/"  # --model timm/<name>: a timm model (pip install 'paratrain[timm]')
+
+
+def _timm():
+    try:
+        import timm
+    except ImportError:
+        raise UserError(
+            "--model timm/...: timm is not installed (pip install 'paratrain[timm]')"
+        ) from None
+    return timm
+
+
+def list_models(timm: bool = False) -> list[str]:
+    """Every torchvision classification model name; with ``timm``, timm's (timm/<name>)."""
+    if timm:
+        return [TIMM + name for name in _timm().list_models()]
     return sorted(torchvision.models.list_models(module=torchvision.models))
 
 
+def _create_timm(name: str, num_classes: int, image_size: int | None) -> nn.Module:
+    """timm's model, randomly initialised: weights come only from a local --weights file
+    (pretrained=False: nothing is ever downloaded)."""
+    timm, arch = _timm(), name[len(TIMM) :]
+    if not timm.is_model(arch):
+        close = timm.list_models(f"*{arch.split('_')[0]}*")[:6]
+        hint = f"; similar: {', '.join(TIMM + c for c in close)}" if close else ""
+        raise UserError(f"unknown model {name!r} (see `paratrain models --timm`){hint}")
+    try:  # vision transformers are built for one input size
+        return timm.create_model(arch, pretrained=False, num_classes=num_classes,
+                                 img_size=image_size)  # fmt: skip
+    except TypeError:
+        return timm.create_model(arch, pretrained=False, num_classes=num_classes)
+
+
 def create_model(name: str, num_classes: int, image_size: int | None = None) -> nn.Module:
-    """A randomly initialised torchvision classifier with ``num_classes`` outputs."""
+    """A randomly initialised torchvision (or timm/<name>) classifier with
+    ``num_classes`` outputs."""
+    if name.startswith(TIMM):
+        return _create_timm(name, num_classes, image_size)
     available = list_models()
     if name not in available:
         close = [m for m in available if name.split("_")[0] in m][:6]
@@ -143,7 +176,10 @@ HEAD_NAMES = ("fc", "classifier", "heads", "head")
 
 
 def classifier_head(model: nn.Module, name: str = "") -> str:
-    """The attribute name of the model's classifier head."""
+    """The path of the model's classifier head (a timm model says where its is)."""
+    timm_head = getattr(model, "pretrained_cfg", {}).get("classifier")
+    if isinstance(timm_head, str):
+        return timm_head
     for attr in HEAD_NAMES:
         if isinstance(getattr(model, attr, None), nn.Module):
             return attr
@@ -164,9 +200,9 @@ def freeze_backbone(model: nn.Module, name: str = "") -> tuple[str, int, int]:
     head = classifier_head(model, name)
     for param in model.parameters():
         param.requires_grad_(False)
-    for param in getattr(model, head).parameters():
+    for param in model.get_submodule(head).parameters():
         param.requires_grad_(True)
-    trained = {id(m) for m in getattr(model, head).modules()}
+    trained = {id(m) for m in model.get_submodule(head).modules()}
     for module in model.modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and id(module) not in trained:
             module.register_forward_pre_hook(_stay_in_eval)
@@ -180,7 +216,7 @@ def build_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
     file fails on every rank alike, and rank 0 alone reports it."""
     torch.manual_seed(cfg.seed)
     try:
-        model = create_model(cfg.model, num_classes, cfg.image_size)
+        model = create_model(cfg.model, num_classes, cfg.train_size)
         if cfg.weights:
             weights = read_state_dict(cfg.weights)
             report = load_weights(model, weights, cfg.weights_strict, cfg.weights)

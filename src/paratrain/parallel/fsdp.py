@@ -163,7 +163,7 @@ def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> FSDPParts:
             "--strategy fsdp shards the model across processes; start 2 or more "
             "(--nproc N, torchrun or srun)"
         )
-    full_names = unified.trainable_names(model)
+    full_names = unified.trainable_names(model, unified.splits_decay(cfg))
     model = model.to(runtime.device)
     mesh = init_device_mesh(runtime.device.type, (runtime.world_size,))
     for block in blocks(model):

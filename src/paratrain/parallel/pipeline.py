@@ -50,7 +50,16 @@ class PipelineParts(ModelParts):
     collective_state = True  # each rank holds one stage
 
     def __init__(
-        self, module, schedule, loss, stage, stages, dp_group, full_names, runtime: Runtime
+        self,
+        module,
+        schedule,
+        loss,
+        stage,
+        stages,
+        dp_group,
+        full_names,
+        runtime: Runtime,
+        split: bool = False,
     ):
         # contiguous: the receive buffers for gradients would take channels_last strides,
         # which gloo and NCCL refuse (torch 2.14)
@@ -62,7 +71,7 @@ class PipelineParts(ModelParts):
         )
         self.schedule, self.loss, self.stage, self.stages = schedule, loss, stage, stages
         self.dp_group, self.full_names = dp_group, full_names
-        self.local_names = unified.trainable_names(module)
+        self.local_names = unified.trainable_names(module, split)
         self.first, self.last = stage == 0, stage == stages - 1
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor | None:
@@ -200,7 +209,7 @@ def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> PipelineParts
     # every rank creates every group, in the same order (new_group is collective)
     pipe_groups = [dist.new_group([r * stages + s for s in range(stages)]) for r in range(replicas)]
     dp_groups = [dist.new_group([r * stages + s for r in range(replicas)]) for s in range(stages)]
-    full_names = unified.trainable_names(model)
+    full_names = unified.trainable_names(model, unified.splits_decay(cfg))
     try:  # the same model and flags on every rank: the same error, told once
         traced = partition.trace(model, cfg.model)
         starts = partition.user_starts(traced, stages, cfg.split_point_list(), cfg.model)
@@ -210,7 +219,7 @@ def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> PipelineParts
     if runtime.is_main:
         micro = cfg.batch_size // cfg.microbatches  # what a stage computes at once
         partition.measure(
-            traced, partition.sample_images(cfg.image_size, micro, torch.contiguous_format)
+            traced, partition.sample_images(cfg.train_size, micro, torch.contiguous_format)
         )
         if starts is None:  # the whole batch's activations: GPipe's case, 1F1B's bound
             slots = partition.optimizer_slots(cfg.opt, cfg.momentum)
@@ -230,5 +239,13 @@ def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> PipelineParts
     kind = ScheduleGPipe if cfg.schedule == "gpipe" else Schedule1F1B
     schedule = kind(pipe_stage, n_microbatches=cfg.microbatches, loss_fn=loss, scale_grads=False)
     return PipelineParts(
-        module, schedule, loss, stage, stages, dp_groups[stage], full_names, runtime
+        module,
+        schedule,
+        loss,
+        stage,
+        stages,
+        dp_groups[stage],
+        full_names,
+        runtime,
+        unified.splits_decay(cfg),
     )

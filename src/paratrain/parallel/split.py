@@ -42,7 +42,7 @@ def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> ModelParts:
     memory_format = memory_format_for(model, cfg.memory_format, devices[0])
     model = model.to(memory_format=memory_format)
     # profiled on the CPU, where the whole model is (it may not fit any one device)
-    sample = partition.sample_images(cfg.image_size, cfg.batch_size, memory_format)
+    sample = partition.sample_images(cfg.train_size, cfg.batch_size, memory_format)
     limits = [partition.device_memory(device) for device in devices]
     traced, starts = partition.plan_stages(
         model,

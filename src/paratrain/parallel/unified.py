@@ -14,10 +14,45 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+# layers whose weights and biases --norm-weight-decay covers
+NORM_LAYERS = (
+    nn.modules.batchnorm._BatchNorm,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.modules.instancenorm._InstanceNorm,
+)
 
-def trainable_names(model: nn.Module) -> list[str]:
+
+def named_groups(model: nn.Module, split: bool = False) -> list[tuple[str, list[str]]]:
+    """The optimizer's parameter groups by name, in the model's order within each: one
+    ("decay"), or, ``split`` (--norm-weight-decay, --bias-weight-decay), the other layers'
+    weights ("decay"), normalisation layers' weights and biases ("norm"), the other
+    layers' biases ("bias"). Every strategy groups alike, so the checkpoint's optimizer
+    indexing is one."""
+    if not split:
+        return [("decay", [name for name, p in model.named_parameters() if p.requires_grad])]
+    kinds: dict[str, list[str]] = {"decay": [], "norm": [], "bias": []}
+    seen: set[int] = set()
+    for prefix, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            if not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            kind = (
+                "norm" if isinstance(module, NORM_LAYERS) else "bias" if name == "bias" else "decay"
+            )
+            kinds[kind].append(f"{prefix}.{name}" if prefix else name)
+    return [(kind, names) for kind, names in kinds.items() if names]
+
+
+def splits_decay(cfg) -> bool:
+    """Whether the settings ask for weight decay by kind of parameter."""
+    return cfg.norm_weight_decay is not None or cfg.bias_weight_decay is not None
+
+
+def trainable_names(model: nn.Module, split: bool = False) -> list[str]:
     """The order an optimizer over ``model``'s trainable parameters indexes them in."""
-    return [name for name, p in model.named_parameters() if p.requires_grad]
+    return [name for _, names in named_groups(model, split) for name in names]
 
 
 def by_name(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
@@ -45,15 +80,19 @@ def by_index(named: dict[str, Any], names: list[str]) -> dict[str, Any]:
 
 
 def merge_named(parts: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
-    """Stages' name-keyed optimizer states -> one over ``names`` (the whole model's).
-    Every stage's optimizer has the same hyperparameters; only its parameters differ."""
+    """Stages' name-keyed optimizer states -> one over ``names`` (the whole model's),
+    each group (by its kind) the stages' groups of that kind, in the order of ``names``."""
     state: dict[str, Any] = {}
+    merged: dict[str, dict[str, Any]] = {}
     for part in parts:
         state.update(part["state"])
-    groups = [
-        {**group, "params": list(names) if i == 0 else []}
-        for i, group in enumerate(parts[0]["param_groups"])
-    ]
+        for group in part["param_groups"]:
+            kind = group.get("kind", "decay")
+            merged.setdefault(kind, {**group, "params": []})["params"] += group["params"]
+    order = {name: i for i, name in enumerate(names)}
+    groups = sorted(merged.values(), key=lambda g: min((order[n] for n in g["params"]), default=0))
+    for group in groups:
+        group["params"] = sorted(group["params"], key=order.__getitem__)
     return {"state": state, "param_groups": groups}
 
 

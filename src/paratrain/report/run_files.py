@@ -42,7 +42,7 @@ def announce(
     warm-up, end), recipe, precision."""
     log = get_logger()
     log.info(
-        f"run {run_dir}: {cfg.model} at {cfg.image_size}px, {len(split.classes)} classes, "
+        f"run {run_dir}: {cfg.model} at {cfg.train_size}px, {len(split.classes)} classes, "
         f"{len(split.train)} train / {len(split.val)} val images, {runtime.world_size} "
         f"process(es) on {runtime.device.type} ({runtime.backend or 'no process group'}), "
         f"{workers} loader worker(s), "
