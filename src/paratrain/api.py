@@ -100,14 +100,31 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, say: Say = print) -> dict 
             say("; ".join(preset_notes(cfg)))
         if dry_run and not digits_ready(cfg.cache_dir):  # a dry run writes nothing
             cfg.validate()
+            if autopilot_needed(cfg):
+                say(
+                    "the embedded digits set is not written yet; auto settings are chosen on "
+                    "it by the first run (a dry run writes nothing)"
+                )
+                return None
             check_devices(cfg)
             say(describe_train(cfg, env, unwritten=digits_dir(cfg.cache_dir)))
             return None
         cfg = replace(cfg, data=str(ensure_digits(cfg.cache_dir)))
     if not os.environ.get(CHECKED):
         _told_once(env, lambda: preflight(cfg))
+    choices = []
+    if autopilot_needed(cfg):
+        if env.source != "single":
+            raise UserError(
+                "auto settings are chosen by `paratrain train` itself, before it starts its "
+                "processes; under torchrun or srun give values (a run's config.yaml has them)"
+            )
+        if not dry_run and not cfg.name:  # the range test's curve goes into the run folder
+            cfg = replace(cfg, name=time.strftime("%Y%m%d-%H%M%S"))
+        cfg, choices = choose_automatically(cfg, dry_run, say)
+        check_devices(cfg)
     if dry_run:
-        say(describe_train(cfg, env))
+        say(describe_train(cfg, env, choices=choices))
         return None
     if cfg.nproc > 1 and env.source == "single" and not cfg.name and not cfg.resume:
         # restarted workers must find this run again, so its name is fixed up front
@@ -119,6 +136,26 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, say: Say = print) -> dict 
         max_restarts=cfg.max_restarts,
         master_port=cfg.master_port,
     )
+
+
+def autopilot_needed(cfg: TrainConfig) -> bool:
+    return "auto" in (cfg.nproc, cfg.strategy, cfg.batch_size, cfg.lr)
+
+
+def choose_automatically(cfg: TrainConfig, dry_run: bool, say: Say) -> tuple[TrainConfig, list]:
+    """Every auto setting made a value (bench/autopilot.py), each told with its reason."""
+    from paratrain.bench import autopilot
+
+    if cfg.resume:
+        raise UserError(
+            "a resumed run continues with the values its config.yaml recorded: give them, "
+            "not auto (--config <run>/config.yaml)"
+        )
+    plot_dir = None if dry_run else Path(cfg.output_dir) / cfg.name
+    cfg, choices = autopilot.resolve(cfg, say=say, plot_dir=plot_dir)
+    for choice in choices:
+        say(choice.line())
+    return cfg, choices
 
 
 def preflight(cfg: TrainConfig) -> None:
@@ -166,7 +203,7 @@ def check_devices(cfg: TrainConfig) -> None:
         parse_devices(cfg)
     if not on_cpu:
         gpus = torch.cuda.device_count()
-        if cfg.nproc > gpus and cfg.device in (None, "cuda"):
+        if cfg.nproc != "auto" and cfg.nproc > gpus and cfg.device in (None, "cuda"):
             raise UserError(
                 f"--nproc {cfg.nproc} needs {cfg.nproc} GPUs and this machine has {gpus}: "
                 f"NCCL cannot run two ranks on one GPU; use --nproc {gpus}, or --device cpu "
@@ -185,7 +222,9 @@ def check_devices(cfg: TrainConfig) -> None:
         raise UserError("--backend nccl needs CUDA devices; use gloo on CPU")
 
 
-def describe_train(cfg: TrainConfig, env: DistEnv, unwritten: Path | None = None) -> str:
+def describe_train(
+    cfg: TrainConfig, env: DistEnv, unwritten: Path | None = None, choices: list | None = None
+) -> str:
     """What `train --dry-run` prints: the resolved config, then what would run.
     ``unwritten``: where the embedded digits set would first be written."""
     import torch
@@ -253,6 +292,7 @@ def describe_train(cfg: TrainConfig, env: DistEnv, unwritten: Path | None = None
         f"  precision: {precision}" + (" (auto)" if cfg.precision == "auto" else ""),
         f"  decoded-image cache: {cache}",
     ]
+    lines += [f"  chosen: {choice.line()}" for choice in choices or []]
     if unwritten is None:
         lines.append(f"  resume: {resumes}")
     return "\n".join(lines)

@@ -154,7 +154,9 @@ def add_settings(
                 type=_parse_as(s),
                 default=S,
                 help=shown,
-                choices=s.rule.choices,
+                choices=(*s.rule.choices, "auto")
+                if s.rule.choices and s.rule.auto
+                else s.rule.choices,
                 metavar=metavar or s.name.upper(),
             )
 

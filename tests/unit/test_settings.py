@@ -200,7 +200,7 @@ def test_messages_say_what_is_allowed():
     s = {x.name: x for x in settings(TrainConfig)}
     assert describe(s["val_fraction"]) == "between 0 and 1 (exclusive)"
     assert describe(s["hflip"]) == "in [0, 1]"
-    assert describe(s["lr"]) == "positive"
+    assert describe(s["lr"]) == "positive, or auto"
     assert describe(s["opt"]) == "one of sgd, adamw, lars, lamb"
     assert describe(s["resume"]).endswith(", or auto")
 

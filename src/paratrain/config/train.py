@@ -160,14 +160,21 @@ class TrainConfig(Options):
     # optimisation
     epochs: int = setting(10, "passes over the training images", group="optimisation", low=1)
     batch_size: int = setting(
-        16, "per process; the global batch is this x world size", group="optimisation", low=1
+        16,
+        "per process; the global batch is this x world size; auto: the largest that fits the "
+        "device's memory (a multiple of 8), --lr scaled with it from batch 16",
+        group="optimisation",
+        low=1,
+        auto=True,
     )
     lr: float = setting(
         0.01,
-        "peak learning rate for one process (scaled with --lr-scaling)",
+        "peak learning rate for one process (scaled with --lr-scaling); auto: a range test "
+        "picks it (its curve in the run folder)",
         group="optimisation",
         low=0.0,
         low_open=True,
+        auto=True,
     )
     lr_scaling: str = setting(
         "linear",
@@ -330,7 +337,14 @@ class TrainConfig(Options):
         group="speed",
     )
     # parallelism
-    nproc: int = setting(1, "processes to start on this machine", group="parallelism", low=1)
+    nproc: int = setting(
+        1,
+        "processes to start on this machine; auto: one per GPU, or on a CPU the layout "
+        "measured faster here",
+        group="parallelism",
+        low=1,
+        auto=True,
+    )
     strategy: str = setting(
         "ddp",
         "ddp: DistributedDataParallel, one process per device; dp: "
@@ -338,9 +352,10 @@ class TrainConfig(Options):
         "parameters, gradients and optimizer state sharded across "
         "processes (FSDP2); split: the model's stages on --devices in one "
         "process; pipeline: --stages processes per model, micro-batches "
-        "pipelined",
+        "pipelined; auto: the fastest that fits the device memory (see `paratrain plan`)",
         group="parallelism",
         choices=STRATEGY_NAMES,
+        auto=True,
     )
     devices: str | None = setting(
         None,
@@ -468,6 +483,8 @@ class TrainConfig(Options):
         check_paths(self)
 
     def combinations(self) -> None:
+        nproc = None if self.nproc == "auto" else self.nproc  # auto: decided later
+        batch = None if self.batch_size == "auto" else self.batch_size
         if self.warmup_epochs and self.warmup_steps:
             raise UserError("--warmup-epochs and --warmup-steps are alternatives; give one")
         if self.sched == "multistep" and not self.lr_milestones:
@@ -478,12 +495,12 @@ class TrainConfig(Options):
                 f"{self.eval_crop}"
             )
         """Rules between settings: what one strategy cannot combine with, and what it needs."""
-        if self.strategy == "dp" and self.nproc > 1:
+        if self.strategy == "dp" and (nproc or 1) > 1:
             raise UserError(
                 "--strategy dp drives every GPU from one process; leave out --nproc "
                 "(or use --strategy ddp, one process per GPU)"
             )
-        if self.strategy == "split" and self.nproc > 1:
+        if self.strategy == "split" and (nproc or 1) > 1:
             raise UserError(
                 "--strategy split runs in one process over --devices; leave out --nproc "
                 "(--strategy pipeline runs stages in separate processes)"
@@ -496,13 +513,13 @@ class TrainConfig(Options):
                     f"--schedule 1f1b needs at least as many micro-batches as stages "
                     f"(--microbatches {self.microbatches}, --stages {self.stages})"
                 )
-            if self.batch_size % self.microbatches:
+            if batch is not None and batch % self.microbatches:
                 raise UserError(
                     f"--batch-size {self.batch_size} must divide into --microbatches "
                     f"{self.microbatches} equal micro-batches"
                 )
-            if self.nproc > 1:
-                check_pipeline_world(self.nproc, self.stages)
+            if (nproc or 1) > 1:
+                check_pipeline_world(nproc, self.stages)
         if self.strategy in PARTITIONED:
             for flag, on in (
                 ("--ema-decay", self.ema_decay is not None),

@@ -1,0 +1,438 @@
+"""Autopilot: `--nproc auto`, `--strategy auto`, `--batch-size auto`, `--lr auto`.
+
+Each choice is measured or estimated on the machine it runs on, in this order (each
+needs the ones before): processes, strategy, batch, learning rate. Every choice comes
+with the reason it was made; the run's config.yaml records the values chosen, so
+`--config` on it reruns exactly.
+
+* processes: one per GPU; on a CPU alone, the layout measured faster here: one process
+  with every core against N processes sharing them (a few timed steps each), kept in the
+  cache folder by machine and model, so the next run does not measure again;
+* strategy: the fastest that fits the device memory by `paratrain plan`'s estimate;
+* batch: on CUDA the largest per-device batch that trains (doubling, then halving back
+  after an out-of-memory, the model freed after each try), on a CPU the largest that the
+  estimate fits in the free memory; times a margin, rounded down to a multiple of 8;
+  the learning rate is scaled with it (linear in the batch, from --lr at batch 16);
+* learning rate: a range test, an exponential sweep over a few hundred steps on the
+  training images; the rate where the smoothed loss falls fastest, divided by a safety
+  factor; its curve is drawn into the run folder.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from paratrain.config import TrainConfig
+from paratrain.data.builtin import default_cache_dir
+from paratrain.errors import UserError
+
+DEFAULT_BATCH = 16  # the batch --lr is given for when --batch-size is auto
+MARGIN = 0.8  # of the memory the batch may use
+SAFETY = 4.0  # the steepest rate of the range test over this
+RANGE = (1e-6, 10.0)
+
+
+@dataclass
+class Choice:
+    setting: str
+    value: object
+    why: str
+
+    def line(self) -> str:
+        return f"{self.setting} auto -> {self.value}: {self.why}"
+
+
+def is_auto(cfg: TrainConfig) -> bool:
+    return "auto" in (cfg.nproc, cfg.strategy, cfg.batch_size, cfg.lr)
+
+
+# ------------------------------------------------------------------ processes
+
+
+def decide_nproc(timings: dict[int, float]) -> int:
+    """The process count whose layout trained the most images a second (the fewer on
+    a tie): ``timings`` maps a process count to its measured images/s."""
+    return max(sorted(timings), key=lambda n: (timings[n], -n))
+
+
+def _machine_key(cfg: TrainConfig) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{cpu}|{cores}|{cfg.model}|{cfg.train_size}|{cfg.batch_size}|{cfg.precision}"
+
+
+def measure_layouts(cfg: TrainConfig, cores: int) -> dict[int, float]:
+    """Images/s of one process with every core, and of ``cores`` processes of one core
+    each: `paratrain bench`, a few steps, launched as --nproc launches its workers."""
+    from paratrain.bench.scale import ScaleSettings, _launched
+
+    batch = cfg.batch_size if cfg.batch_size != "auto" else DEFAULT_BATCH
+    step = replace(
+        cfg,
+        nproc=1,
+        batch_size=batch,
+        image_size=cfg.train_size,
+        strategy="ddp",
+        lr=0.01 if cfg.lr == "auto" else cfg.lr,
+    )
+    settings = ScaleSettings(steps=6, warmup=2)
+    return {
+        n: _launched(n, cores // n, step, settings, sweep=False)["bench"]["images_per_s"]
+        for n in sorted({1, cores})
+    }
+
+
+def choose_nproc(
+    cfg: TrainConfig, measure: Callable[[TrainConfig, int], dict] = measure_layouts
+) -> Choice:
+    """One process per GPU; on a CPU alone the layout measured faster (kept for next time)."""
+    if torch.cuda.is_available() and not (cfg.device or "").startswith("cpu"):
+        n = torch.cuda.device_count()
+        return Choice("--nproc", n, f"one process per GPU ({n} GPU(s) here)")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if cores < 2:
+        return Choice("--nproc", 1, "one core here")
+    store = Path(cfg.cache_dir or default_cache_dir()) / "autopilot.json"
+    key = _machine_key(cfg)
+    known = json.loads(store.read_text()) if store.is_file() else {}
+    timings = {int(n): v for n, v in known.get(key, {}).items()}
+    measured = "measured before on this machine"
+    if len(timings) < 2:
+        timings = measure(cfg, cores)
+        measured = "measured now (kept for the next run)"
+        try:
+            store.parent.mkdir(parents=True, exist_ok=True)
+            store.write_text(json.dumps({**known, key: timings}, indent=1))
+        except OSError:
+            measured = "measured now"
+    n = decide_nproc(timings)
+    rates = ", ".join(
+        f"{k} x {cores // k} thread(s): {v:.0f} img/s" for k, v in sorted(timings.items())
+    )
+    return Choice("--nproc", n, f"{rates} ({measured})")
+
+
+# ------------------------------------------------------------------ strategy
+
+
+def device_memory(cfg: TrainConfig, nproc: int) -> tuple[int, str]:
+    """The memory one process may use: a GPU's, or this machine's available memory over
+    the processes."""
+    if torch.cuda.is_available() and not (cfg.device or "").startswith("cpu"):
+        total = torch.cuda.get_device_properties(0).total_memory
+        return total, f"{total / 2**30:.0f} GiB per GPU"
+    available = _available_memory()
+    return available // max(
+        nproc, 1
+    ), f"{available / 2**30:.1f} GiB available / {nproc} process(es)"
+
+
+def _available_memory() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 2**30
+
+
+def choose_strategy(
+    cfg: TrainConfig, nproc: int, memory: int, where: str, rows: list | None = None
+) -> Choice:
+    """The fastest strategy that fits ``memory`` by `paratrain plan`'s estimate."""
+    from paratrain.bench import memory as plan
+
+    if nproc < 2:
+        return Choice("--strategy", "ddp", "one process: the whole model on it")
+    rows = rows if rows is not None else _estimate(cfg, nproc)
+    choice, why = plan.recommend(rows, memory, nproc)
+    if choice is None:
+        raise UserError(f"--strategy auto: {why}")
+    return Choice("--strategy", choice, f"fits {where}: {why}")
+
+
+def _estimate(cfg: TrainConfig, devices: int, batch: int | None = None) -> list:
+    from paratrain.bench import memory as plan
+    from paratrain.models.registry import create_model
+    from paratrain.parallel.partition import optimizer_slots
+
+    torch.manual_seed(0)
+    model = create_model(cfg.model, 10, cfg.train_size)
+    batch = batch or (cfg.batch_size if cfg.batch_size != "auto" else DEFAULT_BATCH)
+    return plan.estimate(
+        model,
+        cfg.train_size,
+        batch,
+        max(devices, 2),
+        optimizer_slots(cfg.opt, cfg.momentum),
+        cfg.microbatches,
+        cfg.schedule,
+        model_name=cfg.model,
+    )
+
+
+# ------------------------------------------------------------------ batch
+
+
+def round_batch(batch: float) -> int:
+    """Down to a multiple of 8 (at least 8)."""
+    return max(8, int(batch) // 8 * 8)
+
+
+def batch_from_estimate(fixed: float, per_sample: float, memory: int) -> int:
+    """The largest batch whose estimated memory (``fixed`` + ``per_sample`` x batch) fits
+    the margin of ``memory``; a multiple of 8."""
+    room = memory * MARGIN - fixed
+    if room < 8 * per_sample:
+        return 8
+    return round_batch(room / per_sample)
+
+
+def largest_batch_that_trains(
+    try_batch: Callable[[int], None], start: int = 8, limit: int = 4096
+) -> int:
+    """Doubling from ``start`` while ``try_batch(b)`` trains, then between the last that
+    did and the first that ran out of memory; the largest that trained."""
+    good, bad = 0, None
+    batch = start
+    while batch <= limit:
+        if _fits(try_batch, batch):
+            good, batch = batch, batch * 2
+        else:
+            bad = batch
+            break
+    if good == 0:
+        raise UserError(f"--batch-size auto: not even a batch of {start} fits on the device")
+    if bad is not None:
+        low, high = good, bad
+        while high - low > 8:
+            middle = round_batch((low + high) // 2)
+            if middle <= low:
+                break
+            if _fits(try_batch, middle):
+                low = middle
+            else:
+                high = middle
+        good = low
+    return good
+
+
+def _fits(try_batch: Callable[[int], None], batch: int) -> bool:
+    try:
+        try_batch(batch)
+        return True
+    except torch.OutOfMemoryError:
+        return False
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def choose_batch(cfg: TrainConfig, strategy: str, nproc: int, memory: int, where: str) -> Choice:
+    """The largest per-device batch that fits the memory, with a margin; a multiple of 8."""
+    if torch.cuda.is_available() and not (cfg.device or "").startswith("cpu"):
+        found = largest_batch_that_trains(lambda b: _cuda_step(cfg, b))
+        batch = round_batch(found * MARGIN)
+        why = f"{found} trained on the GPU, {MARGIN:.0%} of it kept as a margin"
+        return Choice("--batch-size", batch, why)
+    rows = {r.strategy: r for r in _estimate(cfg, nproc, batch=DEFAULT_BATCH)}
+    row = rows[strategy if strategy in rows else "ddp"]
+    per_sample = row.activations / DEFAULT_BATCH
+    fixed = row.parameters + row.gradients + row.optimizer
+    batch = batch_from_estimate(fixed, per_sample, memory)
+    batch = min(batch, 1024)
+    why = (
+        f"the estimate: {fixed / 2**20:.0f} MiB of weights and state, "
+        f"{per_sample / 2**20:.1f} MiB of activations an image, within {MARGIN:.0%} of {where}"
+    )
+    return Choice("--batch-size", batch, why)
+
+
+def _cuda_step(cfg: TrainConfig, batch: int) -> None:
+    """One training step at ``batch`` on the GPU, on a model of its own, freed after."""
+    from paratrain.models.registry import create_model
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = create_model(cfg.model, 10, cfg.train_size).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            x = torch.randn(batch, 3, cfg.train_size, cfg.train_size, device=device)
+            loss = model(x).float().logsumexp(1).mean()
+        loss.backward()
+        optimizer.step()
+        torch.cuda.synchronize(device)
+    finally:
+        del model, optimizer
+
+
+# ------------------------------------------------------------------ learning rate
+
+
+def smooth(losses: Sequence[float], half: int | None = None) -> list[float]:
+    """A centred moving average (the sweep is over, so no lag: an average that trails,
+    as during training, would move the steepest point to higher rates)."""
+    half = half if half is not None else max(1, len(losses) // 40)
+    out = []
+    for i in range(len(losses)):
+        window = losses[max(0, i - half) : i + half + 1]
+        out.append(sum(window) / len(window))
+    return out
+
+
+def pick_lr(
+    lrs: Sequence[float], losses: Sequence[float], safety: float = SAFETY
+) -> tuple[float, float]:
+    """(chosen rate, steepest rate): where the smoothed loss falls fastest against the
+    log of the rate, and that over ``safety``. Points after the loss blew up (4x its
+    minimum) are not read."""
+    smoothed = smooth(losses)
+    best = math.inf
+    end = len(smoothed)
+    for i, loss in enumerate(smoothed):
+        if not math.isfinite(loss) or loss > 4 * best:
+            end = i
+            break
+        best = min(best, loss)
+    logs = [math.log(lr) for lr in lrs[:end]]
+    window = max(1, end // 20)
+    slopes = [
+        (smoothed[i + window] - smoothed[i - window]) / (logs[i + window] - logs[i - window])
+        for i in range(window, end - window)
+    ]
+    if not slopes:
+        raise UserError("--lr auto: the range test ended before the loss fell")
+    steepest = lrs[window + min(range(len(slopes)), key=slopes.__getitem__)]
+    return steepest / safety, steepest
+
+
+def range_test(cfg: TrainConfig, steps: int, plot: Path | None, say) -> Choice:
+    """The sweep on this process: the configured model, optimizer and images, the rate
+    from RANGE[0] to RANGE[1] exponentially over ``steps`` steps (seeded: repeatable)."""
+    from torch.utils.data import DataLoader
+
+    from paratrain.data.folder import ImageSamples, build_split
+    from paratrain.data.transforms import Augment, train_transform
+    from paratrain.engine.recipe import build_optimizer
+    from paratrain.models.registry import build_model
+    from paratrain.parallel import ModelParts
+
+    split = build_split(cfg.data, cfg.val_fraction, cfg.split_seed)
+    sweep = replace(cfg, lr=1.0, lr_scaling="none", nproc=1)
+    torch.manual_seed(cfg.seed)
+    model = build_model(sweep, len(split.classes))
+    parts = ModelParts([model])
+    optimizer = build_optimizer(parts, sweep, 1)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    data = ImageSamples(split.train, train_transform(Augment.of(cfg)))
+    loader = DataLoader(
+        data,
+        batch_size=cfg.batch_size,
+        shuffle=True,
+        generator=generator,
+        num_workers=0,
+        drop_last=len(data) > cfg.batch_size,
+    )
+    criterion = nn.CrossEntropyLoss()
+    lrs, losses = [], []
+    ratio = (RANGE[1] / RANGE[0]) ** (1 / max(steps - 1, 1))
+    batches = iter(loader)
+    model.train()
+    for step in range(steps):
+        try:
+            images, labels = next(batches)
+        except StopIteration:
+            batches = iter(loader)
+            images, labels = next(batches)
+        lr = RANGE[0] * ratio**step
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss = criterion(model(images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        lrs.append(lr)
+        losses.append(float(loss.detach()))
+        if not math.isfinite(losses[-1]) or losses[-1] > 4 * min(losses):
+            break
+    chosen, steepest = pick_lr(lrs, losses)
+    if plot is not None:
+        _plot(lrs, losses, steepest, chosen, plot)
+    why = (
+        f"range test over {len(lrs)} steps: the loss falls fastest at {steepest:.3g}, "
+        f"divided by {SAFETY:g}" + (f"; curve in {plot}" if plot else "")
+    )
+    return Choice("--lr", float(f"{chosen:.3g}"), why)
+
+
+def _plot(lrs, losses, steepest: float, chosen: float, path: Path) -> None:
+    from paratrain.report.plots import _pyplot
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    ax.plot(lrs, losses, alpha=0.4, label="loss")
+    ax.plot(lrs, smooth(losses), label="smoothed")
+    ax.axvline(steepest, color="tab:red", linestyle="--", label=f"steepest {steepest:.3g}")
+    ax.axvline(chosen, color="tab:green", label=f"chosen {chosen:.3g}")
+    ax.set_xscale("log")
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel("training loss")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------ all together
+
+
+def resolve(
+    cfg: TrainConfig, say=print, plot_dir: Path | None = None, range_steps: int | None = None
+) -> tuple[TrainConfig, list[Choice]]:
+    """Every auto setting made a value, in order (each needs the ones before)."""
+    choices: list[Choice] = []
+    if cfg.nproc == "auto":
+        choices.append(choose_nproc(cfg))
+        cfg = replace(cfg, nproc=choices[-1].value)
+    memory, where = device_memory(cfg, cfg.nproc)
+    if cfg.strategy == "auto":
+        choices.append(choose_strategy(cfg, cfg.nproc, memory, where))
+        cfg = replace(cfg, strategy=choices[-1].value)
+    if cfg.batch_size == "auto":
+        choices.append(choose_batch(cfg, cfg.strategy, cfg.nproc, memory, where))
+        batch = choices[-1].value
+        if cfg.lr != "auto":  # --lr was for the default batch: linear in the batch
+            scaled = cfg.lr * batch / DEFAULT_BATCH
+            choices.append(
+                Choice(
+                    "--lr",
+                    float(f"{scaled:.4g}"),
+                    f"--lr {cfg.lr:g} scaled to batch {batch} from {DEFAULT_BATCH}",
+                )
+            )
+            cfg = replace(cfg, lr=choices[-1].value)
+        cfg = replace(cfg, batch_size=batch)
+    if cfg.lr == "auto":
+        steps = range_steps or (300 if torch.cuda.is_available() else 100)
+        plot = plot_dir / "lr_range.png" if plot_dir is not None else None
+        choices.append(range_test(cfg, steps, plot, say))
+        cfg = replace(cfg, lr=choices[-1].value)
+    return cfg.validate(), choices

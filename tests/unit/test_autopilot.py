@@ -1,0 +1,122 @@
+"""Autopilot: each automatic choice is tested for what it decides."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from imagefolders import make_image_folder
+from paratrain import TrainConfig
+from paratrain.bench import autopilot
+from paratrain.cli import main
+
+
+def test_nproc_follows_the_timings_it_measured_and_keeps_them(tmp_path):
+    assert autopilot.decide_nproc({1: 120.0, 2: 95.0}) == 1  # 2 cores: one process wins
+    assert autopilot.decide_nproc({1: 120.0, 4: 300.0}) == 4
+    assert autopilot.decide_nproc({1: 100.0, 2: 100.0}) == 1  # a tie: fewer processes
+    calls = []
+
+    def fake(cfg, cores):
+        calls.append(cores)
+        return {1: 100.0, cores: 180.0}
+
+    cfg = TrainConfig(nproc="auto", cache_dir=str(tmp_path), device="cpu")
+    first = autopilot.choose_nproc(cfg, measure=fake)
+    again = autopilot.choose_nproc(cfg, measure=fake)
+    cores = calls[0]
+    assert first.value == again.value == cores and len(calls) == 1  # measured once
+    assert "measured now" in first.why and "measured before" in again.why
+
+
+def test_a_model_too_large_for_the_memory_gets_fsdp_or_pipeline():
+    cfg = TrainConfig(model="resnet18", image_size=32, batch_size=16)
+    rows = autopilot._estimate(cfg, 2)
+    ddp = next(r for r in rows if r.strategy == "ddp").total
+    roomy = autopilot.choose_strategy(cfg, 2, int(ddp * 1.5), "test", rows=rows)
+    assert roomy.value == "ddp"
+    tight = autopilot.choose_strategy(cfg, 2, int(ddp * 0.7), "test", rows=rows)
+    assert tight.value in ("fsdp", "pipeline") and "fits" in tight.why
+
+
+def test_batch_auto_never_exceeds_the_memory_it_was_given():
+    fixed, per_sample = 200 * 2**20, 3 * 2**20
+    for memory in (1 * 2**30, 3 * 2**30, 10 * 2**30):
+        batch = autopilot.batch_from_estimate(fixed, per_sample, memory)
+        assert batch % 8 == 0 and fixed + batch * per_sample <= memory * autopilot.MARGIN
+        assert fixed + (batch + 8) * per_sample > memory * autopilot.MARGIN  # the largest
+
+    def try_batch(b):  # the device runs out of memory above 200
+        if b > 200:
+            raise torch.OutOfMemoryError("fake")
+
+    assert autopilot.largest_batch_that_trains(try_batch) == 200
+    cpu = autopilot.choose_batch(
+        TrainConfig(model="resnet18", image_size=32), "ddp", 1, 2 * 2**30, "2 GiB"
+    )
+    assert cpu.value % 8 == 0 and cpu.value >= 8
+
+
+def test_the_range_test_recovers_the_rate_of_a_synthetic_loss_curve():
+    """A loss that falls fastest at lr 1e-2 (a logistic in log lr), then blows up."""
+    lrs = [1e-6 * (1e7) ** (i / 299) for i in range(300)]
+
+    def loss(lr):
+        x = math.log10(lr)
+        return 2.0 / (1 + math.exp(4 * (x + 2))) + 0.1 + (50.0 if x > 0 else 0.0)
+
+    chosen, steepest = autopilot.pick_lr(lrs, [loss(lr) for lr in lrs])
+    assert steepest == pytest.approx(1e-2, rel=0.35)
+    assert chosen == pytest.approx(steepest / autopilot.SAFETY)
+
+
+def _run(argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_dry_run_shows_every_choice_and_a_run_records_them(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    data = make_image_folder(tmp_path / "data", classes=2, per_class=10)
+    common = [
+        "train",
+        "--data",
+        str(data),
+        "--image-size",
+        "16",
+        "--epochs",
+        "1",
+        "--workers",
+        "0",
+        "--device",
+        "cpu",
+        "--batch-size",
+        "auto",
+        "--lr",
+        "auto",
+        "--strategy",
+        "auto",
+        "--nproc",
+        "1",
+    ]
+    code, out, err = _run([*common, "--dry-run"])
+    assert code == 0, err
+    assert "chosen: --batch-size auto -> " in out and "chosen: --lr auto -> " in out
+    assert "range test over" in out and "the estimate:" in out
+    assert not (tmp_path / "runs").exists()
+    code, out, err = _run([*common, "--name", "auto"])
+    assert code == 0, err
+    saved = yaml.safe_load(Path("runs/auto/config.yaml").read_text())
+    assert isinstance(saved["lr"], float) and isinstance(saved["batch_size"], int)
+    assert saved["strategy"] == "ddp" and saved["nproc"] == 1
+    assert Path("runs/auto/lr_range.png").stat().st_size > 0
+    again = TrainConfig.from_yaml("runs/auto/config.yaml")  # reruns exactly
+    assert (again.lr, again.batch_size) == (saved["lr"], saved["batch_size"])
