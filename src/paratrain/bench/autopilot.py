@@ -11,8 +11,9 @@ with the reason it was made; the run's config.yaml records the values chosen, so
 * strategy: the fastest that fits the device memory by `paratrain plan`'s estimate;
 * batch: on CUDA the largest per-device batch that trains (doubling, then halving back
   after an out-of-memory, the model freed after each try), on a CPU the largest that the
-  estimate fits in the free memory; times a margin, rounded down to a multiple of 8;
-  the learning rate is scaled with it (linear in the batch, from --lr at batch 16);
+  estimate fits in the free memory; times a margin, rounded down to a multiple of 8, and
+  no more than leaves 16 steps an epoch of the training images; the learning rate is
+  scaled with it (linear in the batch, from --lr at batch 16);
 * learning rate: a range test, an exponential sweep over a few hundred steps on the
   training images; the rate where the smoothed loss falls fastest, divided by a safety
   factor; its curve is drawn into the run folder.
@@ -37,7 +38,8 @@ from paratrain.errors import UserError
 
 DEFAULT_BATCH = 16  # the batch --lr is given for when --batch-size is auto
 MARGIN = 0.8  # of the memory the batch may use
-SAFETY = 4.0  # the steepest rate of the range test over this
+SAFETY = 2.0  # the steepest rate of the range test over this
+MIN_STEPS = 16  # an epoch has at least this many steps: a batch is no more than its share
 RANGE = (1e-6, 10.0)
 
 
@@ -265,6 +267,15 @@ def choose_batch(cfg: TrainConfig, strategy: str, nproc: int, memory: int, where
     return Choice("--batch-size", batch, why)
 
 
+def _data_cap(cfg: TrainConfig) -> int:
+    """The largest batch that leaves MIN_STEPS steps an epoch of the training images."""
+    from paratrain.data.folder import build_split
+
+    images = len(build_split(cfg.data, cfg.val_fraction, cfg.split_seed).train)
+    replicas = cfg.nproc // cfg.stages if cfg.strategy == "pipeline" else cfg.nproc
+    return round_batch(images / (max(replicas, 1) * MIN_STEPS * cfg.grad_accum))
+
+
 def _cuda_step(cfg: TrainConfig, batch: int) -> None:
     """One training step at ``batch`` on the GPU, on a model of its own, freed after."""
     from paratrain.models.registry import create_model
@@ -419,6 +430,15 @@ def resolve(
     if cfg.batch_size == "auto":
         choices.append(choose_batch(cfg, cfg.strategy, cfg.nproc, memory, where))
         batch = choices[-1].value
+        cap = _data_cap(cfg)
+        if batch > cap:
+            choices[-1] = Choice(
+                "--batch-size",
+                cap,
+                f"{choices[-1].why}; {batch} would leave "
+                f"fewer than {MIN_STEPS} steps an epoch of these images, so {cap}",
+            )
+            batch = cap
         if cfg.lr != "auto":  # --lr was for the default batch: linear in the batch
             scaled = cfg.lr * batch / DEFAULT_BATCH
             choices.append(
@@ -431,7 +451,7 @@ def resolve(
             cfg = replace(cfg, lr=choices[-1].value)
         cfg = replace(cfg, batch_size=batch)
     if cfg.lr == "auto":
-        steps = range_steps or (300 if torch.cuda.is_available() else 100)
+        steps = range_steps or 200
         plot = plot_dir / "lr_range.png" if plot_dir is not None else None
         choices.append(range_test(cfg, steps, plot, say))
         cfg = replace(cfg, lr=choices[-1].value)
