@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks in one run on one GPU, about 6 minutes on an H200; prints one table.
+# The GPU checks in one run on one GPU, sized for 8 minutes on an H200; prints one table.
 #
 #   bash benchmarks/gpu_check.sh            (after the README's install command)
 #
