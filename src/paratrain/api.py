@@ -309,7 +309,7 @@ def _resumable(cfg: TrainConfig, classes: list[str]) -> str:
         if found is None:
             return "auto: nothing to resume yet (a new run)"
     else:
-        found = Path(cfg.resume)
+        found = checkpoint.resume_target(cfg.resume)
     folder = sharded.find(found) if found.is_dir() else None
     state = sharded.read_state(folder) if folder is not None else checkpoint.load(found)
     _, changed = checkpoint.check_resumable(state, cfg, classes, found)

@@ -146,6 +146,25 @@ def test_a_run_that_exists_is_not_overwritten(trained):
     assert "--resume auto" in line and "--name" in line
 
 
+def test_a_run_directory_resumes_from_its_last_checkpoint(trained):
+    root, data, last = trained
+    run_dir = root / "runs/r"
+    argv = _flags(root, data, "--epochs", "2", "--resume", str(run_dir), "--name", "from-dir")
+    code, out, err = _run([*argv, "--dry-run"])
+    assert code == 0, err
+    assert f"resume: {last} at epoch 2" in out
+    code, _, err = _run(argv)
+    assert code == 0, err
+    assert checkpoint.load(root / "runs/from-dir/checkpoints/last.pt")["epoch"] == 2
+    code, _, err = _run(["eval", "--checkpoint", str(run_dir), "--data", str(data)])
+    line = _one_error_line(err)
+    assert code == 2 and "is a run directory" in line and "best.pt" in line
+    empty = root / "runs/empty"
+    (empty / "checkpoints").mkdir(parents=True)
+    code, _, err = _run(_flags(root, data, "--epochs", "2", "--resume", str(empty)))
+    assert code == 2 and "no last checkpoint" in _one_error_line(err)
+
+
 class _RunsCode:
     def __init__(self, marker: Path):
         self.marker = marker

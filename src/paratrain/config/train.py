@@ -465,8 +465,8 @@ class TrainConfig(Options):
     )
     resume: str | None = setting(
         None,
-        "checkpoint (a .pt file or a sharded checkpoint's folder), or auto for the newest "
-        "in the run directory",
+        "checkpoint (a .pt file, a sharded checkpoint's folder, or a run directory for its "
+        "last one), or auto for the newest in the run directory",
         group="output",
         path="entry",
         auto=True,
@@ -483,6 +483,7 @@ class TrainConfig(Options):
         check_paths(self)
 
     def combinations(self) -> None:
+        """Rules between settings: what one strategy cannot combine with, and what it needs."""
         nproc = None if self.nproc == "auto" else self.nproc  # auto: decided later
         batch = None if self.batch_size == "auto" else self.batch_size
         if self.warmup_epochs and self.warmup_steps:
@@ -494,7 +495,6 @@ class TrainConfig(Options):
                 f"--val-resize {self.val_resize} is smaller than the validation crop "
                 f"{self.eval_crop}"
             )
-        """Rules between settings: what one strategy cannot combine with, and what it needs."""
         if self.strategy == "dp" and (nproc or 1) > 1:
             raise UserError(
                 "--strategy dp drives every GPU from one process; leave out --nproc "

@@ -84,6 +84,11 @@ def load(path: str | Path, with_optimizer: bool = True) -> dict[str, Any]:
     path = Path(path)
     if path.is_dir():
         found = sharded.find(path)
+        if found is None and (path / "checkpoints").is_dir():
+            raise UserError(
+                f"{path} is a run directory: name one of its checkpoints, e.g. "
+                f"{path / 'checkpoints' / 'best.pt'}"
+            )
         if found is None:
             raise UserError(f"{path} is a folder but not a sharded paratrain checkpoint")
         return sharded.consolidate(found, with_optimizer)
@@ -114,14 +119,31 @@ def find_resumable(output_dir: Path, name: str | None) -> Path | None:
     """``--resume auto``: the last checkpoint (last.pt, or a sharded last/) of the named
     run, else of the newest run that has one."""
     runs = [output_dir / name] if name else [p for p in output_dir.glob("*") if p.is_dir()]
-    found = []
-    for run in runs:
-        single = run / "checkpoints" / LAST
-        candidates = [single] if single.is_file() else []
-        folder = sharded.find(run / "checkpoints" / "last")
-        candidates += [folder] if folder is not None else []
-        found += [(c.stat().st_mtime, c) for c in candidates]
+    found = [(c.stat().st_mtime, c) for c in map(last_of_run, runs) if c is not None]
     return max(found)[1] if found else None
+
+
+def last_of_run(run: Path) -> Path | None:
+    """The newer of a run directory's last.pt and sharded last/ (None: it has neither)."""
+    single = run / "checkpoints" / LAST
+    candidates = [single] if single.is_file() else []
+    folder = sharded.find(run / "checkpoints" / "last")
+    candidates += [folder] if folder is not None else []
+    return max(candidates, key=lambda c: c.stat().st_mtime) if candidates else None
+
+
+def resume_target(resume: str) -> Path:
+    """``--resume PATH``: a checkpoint file, a sharded checkpoint's folder, or a run
+    directory (its last checkpoint)."""
+    path = Path(resume)
+    if not path.exists():
+        raise UserError(f"--resume: checkpoint not found: {path}")
+    if path.is_dir() and sharded.find(path) is None and (path / "checkpoints").is_dir():
+        last = last_of_run(path)
+        if last is None:
+            raise UserError(f"--resume: {path} is a run directory with no last checkpoint")
+        return last
+    return path
 
 
 def prune_epochs(directory: Path, keep: int) -> None:
@@ -170,9 +192,7 @@ def resolve_run(cfg: TrainConfig) -> tuple[Path, Path | None]:
     if resume == "auto":
         resume_from = find_resumable(output, cfg.name)
     elif resume:
-        resume_from = Path(resume)
-        if not resume_from.exists():
-            raise UserError(f"--resume: checkpoint not found: {resume_from}")
+        resume_from = resume_target(resume)
     if cfg.name:
         name = cfg.name
     elif resume_from is not None and run_dir_of(resume_from) is not None:
