@@ -163,7 +163,10 @@ def _bad_inputs(root: Path) -> dict[str, tuple[list[str], str]]:
             "could not be read as a state dict",
         ),
         "nproc 0": (["--data", d, "--nproc", "0"], "--nproc must be at least 1, or auto, got 0"),
-        "batch 0": (["--data", d, "--batch-size", "0"], "--batch-size must be at least 1, or auto, got 0"),
+        "batch 0": (
+            ["--data", d, "--batch-size", "0"],
+            "--batch-size must be at least 1, or auto, got 0",
+        ),
         "bad flag": (["--data", d, "--epochs", "many"], "expected an integer, got 'many'"),
     }
 
