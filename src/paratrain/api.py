@@ -83,6 +83,16 @@ def _told_once(env: DistEnv, check: Callable[[], T]) -> T:
         raise
 
 
+def check_model_input(cfg: TrainConfig, world: int) -> None:
+    """registry.check_model_input before any process starts, for ``world`` ranks."""
+    import torch
+
+    from paratrain.models.registry import check_model_input as check
+
+    cuda = torch.cuda.is_available() and not (cfg.device or "").startswith("cpu")
+    check(cfg, world, torch.cuda.device_count() if cuda else 0)
+
+
 # ---------------------------------------------------------------- train
 
 
@@ -234,13 +244,11 @@ def describe_train(
     from paratrain.data.folder import build_split
     from paratrain.engine.precision import resolve
     from paratrain.engine.schedule import describe_schedule, peak_lr
-    from paratrain.models.registry import check_input_size
 
-    for size in sorted({cfg.train_size, cfg.eval_crop}):
-        check_input_size(cfg.model, size)
     launched = cfg.nproc > 1 and env.source == "single"
     world = cfg.nproc if launched else env.world_size
     cuda = torch.cuda.is_available() and not (cfg.device or "").startswith("cpu")
+    check_model_input(cfg, world)
     device = "cuda" if cuda else "cpu"
     backend = cfg.backend or ("nccl" if cuda else "gloo")
     replicas = world // cfg.stages if cfg.strategy == "pipeline" else world
@@ -512,10 +520,9 @@ def bench(cfg: TrainConfig, opts: BenchOptions, say: Say = print) -> BenchResult
     opts.validate()
     env = detect(os.environ)
     _told_once(env, lambda: check_devices(cfg))
+    world = cfg.nproc if env.source == "single" else env.world_size
+    _told_once(env, lambda: check_model_input(cfg, world))
     if opts.dry_run:
-        from paratrain.models.registry import check_input_size
-
-        check_input_size(cfg.model, cfg.image_size)
         say(
             f"would time {opts.steps} steps (after {opts.warmup}) of {cfg.model} at "
             f"{cfg.image_size}px, batch {cfg.batch_size} x {cfg.nproc} process(es)"
@@ -570,10 +577,8 @@ def scale(cfg: TrainConfig, opts: ScaleOptions, say: Say = print) -> dict | None
             )
         check_devices(cfg)
         settings = scaling.settings_from(opts)
+        check_model_input(cfg, 1)  # scale measures one process too
         if opts.dry_run:
-            from paratrain.models.registry import check_input_size
-
-            check_input_size(cfg.model, cfg.image_size)
             say(
                 f"would measure {cfg.model} at {cfg.image_size}px on 1..{settings.nproc_max} "
                 f"processes and write {opts.out}"

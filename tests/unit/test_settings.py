@@ -189,11 +189,51 @@ def _one_line_error(code: int, err: str, *needles: str) -> None:
             ["train", "--model", "alexnet", "--image-size", "32", "--dry-run"],
             ["smallest --image-size it takes is 63"],
         ),
+        (
+            [
+                "train",
+                "--model",
+                "resnet18",
+                "--image-size",
+                "32",
+                "--batch-size",
+                "1",
+                "--dry-run",
+            ],
+            ["resnet18", "one image at a time", "2 or more", "--image-size of at least 33"],
+        ),
+        (
+            [
+                *("train", "--model", "resnet18", "--image-size", "32", "--dry-run"),
+                *("--strategy", "pipeline", "--nproc", "2", "--batch-size", "4"),
+                *("--microbatches", "4"),
+            ],
+            ["one image at a time", "per micro-batch"],
+        ),
     ],
 )
 def test_a_bad_value_is_one_line_naming_flag_value_and_what_is_allowed(argv, needles, tmp_path):
     code, _, err = _run(argv)
     _one_line_error(code, err, *needles)
+
+
+def test_a_batch_of_one_is_refused_only_where_batchnorm_would_see_one_value(tmp_path):
+    common = ["train", "--model", "resnet18", "--batch-size", "1", "--dry-run"]
+    code, _, err = _run([*common, "--image-size", "64"])  # a 2x2 map at the end: 4 values
+    assert code == 0, err
+    code, _, err = _run([*common, "--image-size", "32", "--nproc", "2", "--sync-bn"])
+    assert code == 0, err  # SyncBN: both ranks' images together
+
+
+def test_norm_batch_counts_the_images_one_batchnorm_sees():
+    cfg = TrainConfig(batch_size=8)
+    assert cfg.norm_batch(world=4) == 8
+    assert TrainConfig(batch_size=8, sync_bn=True).norm_batch(world=4) == 32
+    pipeline = TrainConfig(batch_size=8, strategy="pipeline", microbatches=4)
+    assert pipeline.norm_batch(world=2) == 2
+    assert TrainConfig(batch_size=5, strategy="dp").norm_batch(world=1, gpus=2) == 2  # 3 + 2
+    assert TrainConfig(batch_size=7, strategy="dp").norm_batch(world=1, gpus=3) == 1  # 3+3+1
+    assert TrainConfig(batch_size="auto").norm_batch(world=1) == 2  # decided later
 
 
 def test_messages_say_what_is_allowed():

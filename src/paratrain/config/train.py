@@ -569,6 +569,22 @@ class TrainConfig(Options):
         validation needs (validation's resize, unless training crops need more)."""
         return max(self.eval_resize, int(round(self.train_size * 256 / 224)))
 
+    def norm_batch(self, world: int, gpus: int = 0) -> int:
+        """The fewest images one BatchNorm layer sees at once in training: a pipeline's
+        micro-batch, DataParallel's smallest chunk over ``gpus``, or with --sync-bn the
+        batch of all ``world`` ranks together. (--batch-size auto is decided later.)"""
+        if self.batch_size == "auto":
+            return 2
+        images = self.batch_size
+        if self.strategy == "pipeline":
+            images //= self.microbatches
+        if self.strategy == "dp" and gpus > 1:
+            chunk = -(-images // gpus)  # torch's scatter: chunks of ceil(batch / gpus)
+            images = images % chunk or chunk
+        if self.sync_bn and self.strategy in ("ddp", "fsdp"):
+            images *= world
+        return images
+
     def milestone_list(self) -> list[int]:
         return [int(m) for m in (self.lr_milestones or "").split(",") if m]
 

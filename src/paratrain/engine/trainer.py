@@ -34,7 +34,7 @@ from paratrain.engine.schedule import Schedule, build_schedule, describe_schedul
 from paratrain.engine.state import Progress
 from paratrain.errors import AgreedUserError, UserError
 from paratrain.log import get_logger
-from paratrain.models.registry import build_model, check_input_size
+from paratrain.models.registry import build_model, check_model_input
 from paratrain.parallel import ModelParts, parallelize
 from paratrain.report.metrics import MetricsWriter, format_epoch
 from paratrain.report.plots import plot_curves
@@ -92,8 +92,8 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
         torch.backends.cudnn.benchmark = False
     split = build_split(cfg.data, cfg.val_fraction, cfg.split_seed)
     try:  # before any file is written or image decoded; the same answer on every rank
-        for size in sorted({cfg.train_size, cfg.eval_crop}):
-            check_input_size(cfg.model, size)
+        gpus = torch.cuda.device_count() if runtime.device.type == "cuda" else 0
+        check_model_input(cfg, runtime.world_size, gpus)
     except UserError as exc:
         raise AgreedUserError(str(exc)) from None
     run_dir, resume_from = comm.agree(lambda: resolve_run(cfg))

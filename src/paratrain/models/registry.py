@@ -232,17 +232,18 @@ def build_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
     return model
 
 
-def runs_at(name: str, image_size: int) -> str | None:
-    """None when ``name`` trains on ``image_size``-pixel images, else why it cannot.
+def runs_at(name: str, image_size: int, batch: int = 2) -> str | None:
+    """None when ``name`` trains on ``image_size``-pixel images in batches of ``batch``,
+    else why it cannot.
 
     The model is built and run on the meta device (shapes only, no memory, no
-    arithmetic), in training mode at a batch of 2; an operation the meta device lacks is
-    tried once for real on the CPU instead."""
+    arithmetic), in training mode; an operation the meta device lacks is tried once for
+    real on the CPU instead."""
     for device in ("meta", "cpu"):
         try:
             with torch.device(device):
                 model = create_model(name, 2, image_size)
-                model(torch.zeros(2, 3, image_size, image_size))
+                model(torch.zeros(batch, 3, image_size, image_size))
             return None
         except UserError:
             raise
@@ -254,27 +255,39 @@ def runs_at(name: str, image_size: int) -> str | None:
     return None
 
 
-def smallest_input_size(name: str, largest: int = 4096) -> int | None:
+def smallest_input_size(name: str, largest: int = 4096, batch: int = 2) -> int | None:
     """The smallest image size ``name`` trains on (sizes a model takes only grow)."""
     size = 8
-    while runs_at(name, size) is not None:
+    while runs_at(name, size, batch) is not None:
         size *= 2
         if size > largest:
             return None
     low, high = size // 2, size  # low fails (or is below 8), high works
     while high - low > 1:
         middle = (low + high) // 2
-        if middle >= 8 and runs_at(name, middle) is None:
+        if middle >= 8 and runs_at(name, middle, batch) is None:
             high = middle
         else:
             low = middle
     return high
 
 
-def check_input_size(name: str, image_size: int) -> None:
+def check_input_size(name: str, image_size: int, norm_batch: int = 2) -> None:
     """A one-line UserError, with the smallest size that works, when ``name`` cannot
-    train on ``image_size``-pixel images: said before any image is decoded."""
+    train on ``image_size``-pixel images: said before any image is decoded.
+    ``norm_batch``: the images a BatchNorm layer sees at once in training; a batch of
+    one leaves it a single value per channel where the feature map has shrunk to 1x1."""
     problem = runs_at(name, image_size)
+    if problem is None and norm_batch < 2:
+        problem = runs_at(name, image_size, norm_batch)
+        if problem is None:
+            return
+        smallest = smallest_input_size(name, batch=norm_batch)
+        hint = f", or an --image-size of at least {smallest}" if smallest is not None else ""
+        raise UserError(
+            f"--model {name} cannot train at {image_size}px on one image at a time "
+            f"({problem}): a per-process batch (per micro-batch) of 2 or more works{hint}"
+        )
     if problem is None:
         return
     smallest = smallest_input_size(name)
@@ -284,3 +297,11 @@ def check_input_size(name: str, image_size: int) -> None:
         else ""
     )
     raise UserError(f"--model {name} cannot run on {image_size}px images ({problem}){hint}")
+
+
+def check_model_input(cfg: TrainConfig, world: int, gpus: int) -> None:
+    """The model takes the training and validation sizes, and no BatchNorm layer is
+    left one value per channel by the batch it sees (``world`` ranks, ``gpus`` for
+    DataParallel): checked on the meta device before any image is decoded."""
+    check_input_size(cfg.model, cfg.eval_crop)
+    check_input_size(cfg.model, cfg.train_size, cfg.norm_batch(world, gpus))
