@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -33,6 +32,7 @@ from paratrain.config import (
     preset_notes,
     to_argv,
 )
+from paratrain.config.run_dirs import claim_new_name
 from paratrain.distributed.env import DistEnv, detect
 from paratrain.errors import AgreedUserError, UserError
 
@@ -130,7 +130,7 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, say: Say = print) -> dict 
                 "processes; under torchrun or srun give values (a run's config.yaml has them)"
             )
         if not dry_run and not cfg.name:  # the range test's curve goes into the run folder
-            cfg = replace(cfg, name=time.strftime("%Y%m%d-%H%M%S"))
+            cfg = replace(cfg, name=claim_new_name(Path(cfg.output_dir)))
         cfg, choices = choose_automatically(cfg, dry_run, say)
         check_devices(cfg)
     if dry_run:
@@ -138,7 +138,7 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, say: Say = print) -> dict 
         return None
     if cfg.nproc > 1 and env.source == "single" and not cfg.name and not cfg.resume:
         # restarted workers must find this run again, so its name is fixed up front
-        cfg = replace(cfg, name=time.strftime("%Y%m%d-%H%M%S"))
+        cfg = replace(cfg, name=claim_new_name(Path(cfg.output_dir)))
     return launch_or_run(
         cfg.nproc,
         ["train", *to_argv(cfg)],

@@ -14,13 +14,13 @@ import os
 import pickle
 import shutil
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from paratrain.config import TrainConfig
+from paratrain.config.run_dirs import claim_checkpoints, claim_new_name
 from paratrain.distributed.runtime import Runtime
 from paratrain.engine import sharded
 from paratrain.engine.recipe import Recipe
@@ -193,22 +193,23 @@ def resolve_run(cfg: TrainConfig) -> tuple[Path, Path | None]:
         resume_from = find_resumable(output, cfg.name)
     elif resume:
         resume_from = resume_target(resume)
+    fresh = resume_from is None and resume is None
     if cfg.name:
         name = cfg.name
     elif resume_from is not None and run_dir_of(resume_from) is not None:
         name = run_dir_of(resume_from).name
-    else:  # a timestamp; a second run started in the same second gets the next free name
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        name = next(
-            candidate
-            for candidate in (stamp, *(f"{stamp}-{i}" for i in range(2, 1000)))
-            if not (output / candidate).exists()
-        )
+    else:  # a timestamp; a run started in the same second gets the next free name
+        name = claim_new_name(output)
     run_dir = output / name
-    try:
-        (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"--output-dir: cannot create {run_dir}: {exc.strerror or exc}") from None
+    if fresh:  # one step, so two runs started together cannot both take it
+        claim_checkpoints(run_dir)
+    else:
+        try:
+            (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(
+                f"--output-dir: cannot create {run_dir}: {exc.strerror or exc}"
+            ) from None
     return run_dir, resume_from
 
 

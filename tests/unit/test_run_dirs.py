@@ -1,0 +1,50 @@
+"""Runs started together never share a run directory."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from pathlib import Path
+
+import pytest
+
+from paratrain.config import TrainConfig
+from paratrain.config.run_dirs import claim_new_name
+from paratrain.engine.checkpoint import resolve_run
+from paratrain.errors import UserError
+
+STAMP = "20261203-120000"
+
+
+def _claim(output: str, barrier) -> str:
+    time.strftime = lambda _format: STAMP  # every process in the same second
+    barrier.wait()
+    return claim_new_name(Path(output))
+
+
+def test_runs_started_in_the_same_second_get_distinct_folders(tmp_path):
+    context = multiprocessing.get_context("fork")
+    count = 6
+    barrier = context.Manager().Barrier(count)
+    with context.Pool(count) as pool:
+        names = pool.starmap(_claim, [(str(tmp_path), barrier)] * count)
+    assert sorted(names) == sorted([STAMP, *(f"{STAMP}-{i}" for i in range(2, count + 1))])
+    assert all((tmp_path / name).is_dir() for name in names)
+
+
+def test_a_name_another_run_took_a_moment_ago_is_refused(tmp_path):
+    cfg = TrainConfig(output_dir=str(tmp_path), name="sweep")
+    run_dir, resume_from = resolve_run(cfg)  # the first run: nothing written in it yet
+    assert run_dir == tmp_path / "sweep" and resume_from is None
+    with pytest.raises(UserError, match="already holds a run"):
+        resolve_run(cfg)
+    run_dir, _ = resolve_run(TrainConfig(output_dir=str(tmp_path), name="sweep", resume="auto"))
+    assert run_dir == tmp_path / "sweep"  # --resume auto: continued, nothing to resume yet
+
+
+def test_unnamed_runs_each_claim_their_own_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(time, "strftime", lambda _format: STAMP)
+    cfg = TrainConfig(output_dir=str(tmp_path))
+    first, _ = resolve_run(cfg)
+    second, _ = resolve_run(cfg)
+    assert (first.name, second.name) == (STAMP, f"{STAMP}-2")
