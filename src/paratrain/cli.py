@@ -35,7 +35,7 @@ from paratrain.config import (
     resolve_train,
     settings,
 )
-from paratrain.config.schema import Setting
+from paratrain.config.schema import Setting, coerce_all
 from paratrain.config.train import read_recipe
 from paratrain.errors import UserError
 from paratrain.version import __version__
@@ -212,10 +212,13 @@ def resolve_train_args(args: argparse.Namespace) -> TrainConfig:
     """`train`'s config from its parsed flags: the --config file's keys, the flags over
     them, presets for what neither gave."""
     config_file = getattr(args, "config", None)
-    given = read_yaml(config_file) if config_file else {}
+    source = f"--config {config_file}"  # a wrong value in the file is named with it
+    given = coerce_all(TrainConfig, read_yaml(config_file), source, True) if config_file else {}
     recipe = getattr(args, "recipe", None)
     return resolve_train(
-        {**given, **_given(args, TrainConfig)}, recipe=read_recipe(recipe) if recipe else None
+        {**given, **_given(args, TrainConfig)},
+        recipe=read_recipe(recipe) if recipe else None,
+        recipe_source=f"--recipe {recipe}",
     )
 
 

@@ -141,6 +141,26 @@ def test_unknown_keys_name_the_closest_setting(tmp_path):
         _resolved(["--config", str(file)])
 
 
+@pytest.mark.parametrize(
+    "text, told",
+    [
+        ("lr: -1\n", "lr must be positive, or auto, got -1.0"),
+        ("opt: bogus\n", "opt must be one of sgd, adamw, lars, lamb, got 'bogus'"),
+        ("epochs: 1.5\n", "epochs has the wrong type (float: 1.5)"),
+        ("batchsize: 3\n", "unknown key 'batchsize'"),
+    ],
+)
+def test_a_bad_value_in_a_file_is_named_with_the_file(tmp_path, text, told):
+    file = tmp_path / "run.yaml"
+    file.write_text(text)
+    for flag in ("--config", "--recipe"):
+        with pytest.raises(UserError) as raised:
+            _resolved([flag, str(file)])
+        assert str(raised.value).startswith(f"{flag} {file}: {told}")
+    with pytest.raises(UserError, match="^--lr must be positive"):
+        _resolved(["--lr", "-1"])  # a flag is named as the flag
+
+
 def _run(argv: list[str]) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

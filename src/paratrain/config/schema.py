@@ -247,9 +247,13 @@ def coerce(s: Setting, value: Any, source: str) -> Any:
     )
 
 
-def coerce_all(cls: type, values: Mapping[str, Any], source: str) -> dict[str, Any]:
+def coerce_all(
+    cls: type, values: Mapping[str, Any], source: str, checked: bool = False
+) -> dict[str, Any]:
     """``values`` checked against ``cls``'s settings: unknown keys and wrong types are
-    UserErrors; the result holds exactly the keys given."""
+    UserErrors; the result holds exactly the keys given. ``checked``: each value is also
+    held to its rule here, so a bad one is named with ``source`` (a file) rather than
+    as the flag the user did not type."""
     if not isinstance(values, Mapping):
         raise UserError(f"{source}: expected a mapping of settings")
     declared = {s.name: s for s in settings(cls)}
@@ -258,7 +262,14 @@ def coerce_all(cls: type, values: Mapping[str, Any], source: str) -> dict[str, A
             close = difflib.get_close_matches(str(key), declared, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise UserError(f"{source}: unknown key {key!r}{hint}")
-    return {k: coerce(declared[k], v, source) for k, v in values.items()}
+    coerced = {k: coerce(declared[k], v, source) for k, v in values.items()}
+    for key, value in coerced.items() if checked else ():
+        try:
+            check_value(declared[key], value)
+        except UserError as exc:
+            told = str(exc).replace(declared[key].flag, key, 1)
+            raise UserError(f"{source}: {told}") from None
+    return coerced
 
 
 def build(cls: type, values: Mapping[str, Any], source: str = "arguments") -> Any:

@@ -664,14 +664,17 @@ PRESETS = (
 
 
 def resolve_train(
-    given: Mapping[str, Any], source: str = "arguments", recipe: Mapping[str, Any] | None = None
+    given: Mapping[str, Any],
+    source: str = "arguments",
+    recipe: Mapping[str, Any] | None = None,
+    recipe_source: str = "--recipe",
 ) -> TrainConfig:
     """The config from what the user gave (a YAML file's keys with the flags over them,
     or a mapping from Python): each preset that applies fills the settings the user did
     not give, later presets over earlier ones; a ``recipe`` (--recipe) over them; then
     everything is checked."""
     values = coerce_all(TrainConfig, given, source)
-    chosen = coerce_all(TrainConfig, recipe or {}, "--recipe")
+    chosen = coerce_all(TrainConfig, recipe or {}, recipe_source, checked=True)
     resolved = {**chosen, **values}
     for preset in PRESETS:
         if preset.applies(resolved):
