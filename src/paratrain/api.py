@@ -345,6 +345,7 @@ def evaluate(opts: EvalOptions, say: Say = print) -> dict | None:
     from paratrain.data.folder import build_split
     from paratrain.engine import checkpoint
     from paratrain.engine.predict import weights_of
+    from paratrain.models.registry import check_weights_fit
 
     opts.validate()
     env = detect(os.environ)
@@ -360,6 +361,7 @@ def evaluate(opts: EvalOptions, say: Say = print) -> dict | None:
             f"({len(state['classes'])}): {split.classes[:5]} vs {state['classes'][:5]}"
         )
     weights = weights_of(state, opts.checkpoint, opts.ema)
+    check_weights_fit(saved.model, len(split.classes), saved.train_size, weights, opts.checkpoint)
     if opts.dry_run:
         say(
             f"would evaluate {opts.checkpoint} ({saved.model} at {saved.image_size}px, "

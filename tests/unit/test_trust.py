@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torchvision
 from PIL import Image
 from torch import nn
 
@@ -316,3 +317,40 @@ def test_a_real_nonfinite_step_under_skip_leaves_everything_as_it_was():
         assert torch.equal(value, weights[key]), key
     for p, buffer in zip(model.parameters(), momentum, strict=True):
         assert torch.equal(optimizer.state[p]["momentum_buffer"], buffer)
+
+
+def test_checkpoints_saved_elsewhere_are_told_apart_in_one_line(trained, tmp_path):
+    root, data, last = trained
+    model = torchvision.models.resnet18(num_classes=3).state_dict()
+    saved = checkpoint.load(last)
+    files = {
+        "bare": ({"model": model}, "is not a paratrain checkpoint (no 'config', 'classes')"),
+        "odd": (
+            {**saved, "model": {**model, "fc.weight": torch.zeros(5, 512), "extra": torch.ones(1)}},
+            "1 not in the model (extra); 1 of another shape (file vs model) "
+            "(fc.weight (5, 512) vs (3, 512))",
+        ),
+        "no-state": (
+            {"model": model, "config": saved["config"], "classes": saved["classes"]},
+            None,  # weights alone: eval, predict and export take it; resume does not
+        ),
+    }
+    for name, (state, told) in files.items():
+        path = tmp_path / f"{name}.pt"
+        torch.save(state, path)
+        commands = [
+            ["eval", "--checkpoint", str(path), "--data", str(data)],
+            ["predict", "--checkpoint", str(path), str(data)],
+            ["export", "--checkpoint", str(path), "--out", str(tmp_path / f"{name}-x.pt")],
+        ]
+        for argv in commands:
+            code, _, err = _run(argv)
+            if told is None:
+                assert code == 0, (argv, err)
+            else:
+                assert code == 2 and told in _one_error_line(err), (argv, err)
+        resume = _flags(root, data, "--epochs", "2", "--resume", str(path), "--name", name)
+        code, _, err = _run(resume)
+        assert code == 2
+        if told is None:
+            assert "no training state (no 'optimizer', 'epoch'" in _one_error_line(err)

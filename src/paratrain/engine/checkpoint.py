@@ -106,6 +106,13 @@ def load(path: str | Path, with_optimizer: bool = True) -> dict[str, Any]:
         raise UserError(f"checkpoint {path} could not be read: {reason}") from None
     if not isinstance(state, dict) or "model" not in state:
         raise UserError(f"{path} is not a paratrain checkpoint (no 'model' entry)")
+    lacking = [key for key in ("config", "classes") if key not in state]
+    if lacking or not isinstance(state["config"], dict) or not isinstance(state["classes"], list):
+        what = ", ".join(repr(key) for key in lacking) or "'config', 'classes' of the right type"
+        raise UserError(
+            f"{path} is not a paratrain checkpoint (no {what}): weights saved elsewhere go "
+            f"to `paratrain train --weights {path}`, which loads what matches by name and shape"
+        )
     return state
 
 
@@ -340,6 +347,13 @@ def check_resumable(
 ) -> tuple[TrainConfig, list[str]]:
     """The checkpoint's config, and the settings that differ from it and take effect.
     What cannot continue is one line with every difference and what to do."""
+    lacking = [key for key in ("optimizer", "epoch") if key not in state]
+    if lacking:
+        raise UserError(
+            f"cannot resume from {path}: it holds weights but no training state (no "
+            f"{', '.join(repr(key) for key in lacking)}; an exported file keeps the weights "
+            f"only) — start a new run from its weights (--weights {path})"
+        )
     saved = TrainConfig.from_dict(state["config"], source=str(path))
     refused = []
     for key, why in FIXED_ON_RESUME.items():

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import torch
 
+from paratrain.config import TrainConfig
 from paratrain.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from paratrain.models.registry import check_weights_fit
 
 
 def default_output(checkpoint_path: str, fmt: str, ema: bool) -> Path:
@@ -63,12 +65,14 @@ def _save_checkpoint(checkpoint_path: str, target: str | Path) -> dict[str, str]
     from paratrain.engine import checkpoint
 
     state = checkpoint.load(checkpoint_path)
+    cfg = TrainConfig.from_dict(state["config"], source=checkpoint_path)
+    classes = state["classes"]
+    check_weights_fit(cfg.model, len(classes), cfg.train_size, state["model"], checkpoint_path)
     state.pop("optimizer_groups", None)
     state.pop("sharded", None)
     target = Path(target)
     checkpoint.save_atomic(state, target)
     index = target.parent / "class_indices.json"
-    classes = state["classes"]
     index.write_text(json.dumps({str(i): c for i, c in enumerate(classes)}, indent=2) + "\n")
     return {"export": str(target), "class_indices": str(index)}
 

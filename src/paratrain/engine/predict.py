@@ -16,7 +16,7 @@ from paratrain.distributed.env import DistEnv
 from paratrain.distributed.runtime import choose_device
 from paratrain.engine import checkpoint
 from paratrain.errors import UserError
-from paratrain.models.registry import create_model, logits_of
+from paratrain.models.registry import check_weights_fit, create_model, logits_of
 
 
 def collect_images(inputs: Sequence[str]) -> list[str]:
@@ -55,8 +55,10 @@ def load_for_inference(
     """The checkpoint's model (eval mode), its config and its class names."""
     state = checkpoint.load(checkpoint_path, with_optimizer=False)
     cfg = TrainConfig.from_dict(state["config"], source=checkpoint_path)
+    weights = weights_of(state, checkpoint_path, ema)
+    check_weights_fit(cfg.model, len(state["classes"]), cfg.train_size, weights, checkpoint_path)
     model = create_model(cfg.model, len(state["classes"]), cfg.train_size)
-    model.load_state_dict(weights_of(state, checkpoint_path, ema))
+    model.load_state_dict(weights)
     return model.to(device).eval(), cfg, state["classes"]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torchvision
@@ -305,3 +306,34 @@ def check_model_input(cfg: TrainConfig, world: int, gpus: int) -> None:
     DataParallel): checked on the meta device before any image is decoded."""
     check_input_size(cfg.model, cfg.eval_crop)
     check_input_size(cfg.model, cfg.train_size, cfg.norm_batch(world, gpus))
+
+
+def check_weights_fit(
+    name: str, classes: int, image_size: int, weights: Mapping[str, Any], path: str | Path
+) -> None:
+    """A one-line UserError when a checkpoint's weights are not exactly those of
+    ``name`` with ``classes`` outputs (names and shapes, compared on the meta device)."""
+    with torch.device("meta"):
+        expected = create_model(name, classes, image_size).state_dict()
+    missing = [key for key in expected if key not in weights]
+    unexpected = [key for key in weights if key not in expected]
+    shapes = {
+        key: tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        for key, value in weights.items()
+    }
+    wrong = [
+        f"{key} {shapes[key]} vs {tuple(value.shape)}"
+        for key, value in expected.items()
+        if key in shapes and shapes[key] != tuple(value.shape)
+    ]
+    problems = [
+        (missing, "missing"),
+        (unexpected, "not in the model"),
+        (wrong, "of another shape (file vs model)"),
+    ]
+    told = [f"{len(keys)} {what} ({', '.join(keys[:3])})" for keys, what in problems if keys]
+    if told:
+        raise UserError(
+            f"{path}: its weights are not those of {name} with {classes} classes: "
+            + "; ".join(told)
+        )
