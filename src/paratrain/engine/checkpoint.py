@@ -347,7 +347,8 @@ def check_resumable(
 ) -> tuple[TrainConfig, list[str]]:
     """The checkpoint's config, and the settings that differ from it and take effect.
     What cannot continue is one line with every difference and what to do."""
-    lacking = [key for key in ("optimizer", "epoch") if key not in state]
+    needed = ("epoch",) if state.get("sharded") else ("optimizer", "epoch")  # shards: apart
+    lacking = [key for key in needed if key not in state]
     if lacking:
         raise UserError(
             f"cannot resume from {path}: it holds weights but no training state (no "
