@@ -163,6 +163,12 @@ def test_runs_table_lists_finished_and_unfinished_runs(trained_run, tmp_path, ca
     (runs / "cut/metrics.jsonl").write_text(
         (runs / "r/metrics.jsonl").read_text().splitlines()[0] + "\n"
     )
+    (runs / "resumed").mkdir()  # resumed into a new folder: its rows begin at epoch 2
+    shutil.copy(runs / "r/config.yaml", runs / "resumed/config.yaml")
+    shutil.copy(runs / "r/summary.json", runs / "resumed/summary.json")
+    (runs / "resumed/metrics.jsonl").write_text(
+        (runs / "r/metrics.jsonl").read_text().splitlines()[1] + "\n"
+    )
     (runs / "not-a-run").mkdir()
     assert main(["runs", str(runs)]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -187,9 +193,11 @@ def test_runs_table_lists_finished_and_unfinished_runs(trained_run, tmp_path, ca
     ]
     assert row.endswith("done")
     assert any(line.startswith("cut ") and "stopped after epoch 1" in line for line in lines)
-    assert len(lines) == 3
+    resumed = next(line for line in lines if line.startswith("resumed "))
+    assert resumed.split()[5] == "2/2" and resumed.endswith("done")
+    assert len(lines) == 4
     assert main(["runs", str(runs), "--json"]) == 0
-    assert {r["run"] for r in json.loads(capsys.readouterr().out)} == {"r", "cut"}
+    assert {r["run"] for r in json.loads(capsys.readouterr().out)} == {"r", "cut", "resumed"}
     assert main(["runs", str(tmp_path / "nowhere")]) == 2
     assert "no such run folder" in capsys.readouterr().err
 

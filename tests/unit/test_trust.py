@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -157,6 +158,8 @@ def test_a_run_directory_resumes_from_its_last_checkpoint(trained):
     code, _, err = _run(argv)
     assert code == 0, err
     assert checkpoint.load(root / "runs/from-dir/checkpoints/last.pt")["epoch"] == 2
+    summary = json.loads((root / "runs/from-dir/summary.json").read_text())
+    assert summary["epochs"] == 2  # the epoch reached, though this folder trained one
     code, _, err = _run(["eval", "--checkpoint", str(run_dir), "--data", str(data)])
     line = _one_error_line(err)
     assert code == 2 and "is a run directory" in line and "best.pt" in line

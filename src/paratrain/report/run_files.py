@@ -93,7 +93,7 @@ def summarise(
             "run_dir": str(run_dir),
             "model": cfg.model,
             "world_size": runtime.world_size,
-            "epochs": len(rows),
+            "epochs": rows[-1]["epoch"] if rows else 0,  # the last epoch reached
             "best_val_top1": max((r["val_top1"] for r in rows), default=None),
             "final": rows[-1] if rows else None,
             "skipped_steps": skipped_steps,

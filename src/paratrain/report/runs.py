@@ -39,7 +39,8 @@ def _row(run: Path) -> dict[str, Any]:
     if (run / "summary.json").is_file():
         summary = json.loads((run / "summary.json").read_text())
     planned = config.get("epochs")
-    done = len(epochs)
+    # the last epoch reached: a run resumed into a new folder starts its rows past 1
+    done = max((r.get("epoch", 0) for r in epochs), default=0)
     if summary and done >= (planned or done):
         status = "done"
     elif done:
