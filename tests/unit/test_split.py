@@ -75,3 +75,12 @@ def test_train_val_class_sets_must_match(tmp_path):
         UserError, match=r"only in train: \['class_2'\].*only in val: \['class_9'\]"
     ):
         build_split(root)
+
+
+def test_a_single_class_is_refused_in_either_layout(tmp_path):
+    root = make_image_folder(tmp_path / "d", classes=1, per_class=6)
+    with pytest.raises(UserError, match="one class folder \\(class_0\\); a classifier needs"):
+        build_split(root)
+    given = make_image_folder(tmp_path / "g", classes=1, per_class=6, layout="given")
+    with pytest.raises(UserError, match="one class folder"):
+        build_split(given)

@@ -73,6 +73,11 @@ def scan_classes(root: Path, ignored: list[str] | None = None) -> dict[str, list
         if not images:
             raise UserError(f"class folder has no images: {entry.path}")
         classes[entry.name] = images
+    if len(classes) < 2:
+        raise UserError(
+            f"{root} holds one class folder ({next(iter(classes))}); a classifier needs at "
+            f"least 2 ({root}/<class>/<image>, one folder per class)"
+        )
     return classes
 
 
