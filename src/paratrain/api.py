@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -442,13 +443,23 @@ def predict(opts: PredictOptions, say: Say = print) -> list[dict]:
         paths = check_inputs(opts.checkpoint, opts.inputs, opts.ema)
         say(f"would predict {len(paths)} image(s) with {opts.checkpoint} on {opts.device}")
         return []
-    rows = predict_images(
-        opts.checkpoint, opts.inputs, opts.top_k, opts.batch_size, opts.device, opts.ema
+
+    def tell(rows: list[dict]) -> None:  # as each batch is done, not all at the end
+        for row in rows:
+            say(f"{row['path']}: " + ", ".join(f"{name} {p:.3f}" for name, p in row["top"]))
+
+    rows, unreadable = predict_images(
+        opts.checkpoint, opts.inputs, opts.top_k, opts.batch_size, opts.device, opts.ema, tell
     )
-    for row in rows:
-        say(f"{row['path']}: " + ", ".join(f"{name} {p:.3f}" for name, p in row["top"]))
     if opts.csv:
         write_csv(rows, opts.csv)
+    if unreadable:
+        for path, why in unreadable:
+            print(f"paratrain: skipped {path}: {why}", file=sys.stderr)
+        raise UserError(
+            f"{len(unreadable)} of {len(rows) + len(unreadable)} image(s) could not be read "
+            "(listed above); the others were predicted"
+        )
     return rows
 
 

@@ -103,6 +103,29 @@ def test_predict_takes_folders_and_rejects_missing_paths(trained_run, capsys):
     assert "no such image or folder" in capsys.readouterr().err
 
 
+def test_predict_skips_unreadable_and_hidden_images_and_says_so(trained_run, capsys, tmp_path):
+    import shutil
+
+    root, data, _ = trained_run
+    checkpoint = str(root / "runs/r/checkpoints/last.pt")
+    folder = tmp_path / "mixed"
+    shutil.copytree(data / "class_1", folder)
+    (folder / "broken.jpg").write_bytes(b"not an image")
+    (folder / ".hidden.jpg").write_bytes(b"editor droppings")  # as training's scan: left out
+    out_csv = tmp_path / "pred.csv"
+    assert main(["predict", "--checkpoint", checkpoint, str(folder), "--csv", str(out_csv)]) == 2
+    captured = capsys.readouterr()
+    assert len(captured.out.splitlines()) == 15  # every readable image still predicted
+    assert len(out_csv.read_text().splitlines()) == 16  # header and those 15
+    errors = captured.err.splitlines()
+    assert errors[0].startswith(f"paratrain: skipped {folder / 'broken.jpg'}: ")
+    assert ".hidden.jpg" not in captured.err
+    assert errors[-1] == (
+        "paratrain: error: 1 of 16 image(s) could not be read (listed above); the others "
+        "were predicted"
+    )
+
+
 def test_export_pt2_round_trips(trained_run, tmp_path, capsys):
     from paratrain.engine.export import load_program
     from paratrain.engine.predict import load_for_inference

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import csv
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from paratrain.config import TrainConfig
-from paratrain.data.folder import IMAGE_EXTENSIONS, load_rgb
+from paratrain.data.folder import IMAGE_EXTENSIONS, read_rgb
 from paratrain.data.transforms import eval_transform
 from paratrain.distributed.env import DistEnv
 from paratrain.distributed.runtime import choose_device
@@ -20,7 +21,8 @@ from paratrain.models.registry import check_weights_fit, create_model, logits_of
 
 
 def collect_images(inputs: Sequence[str]) -> list[str]:
-    """Files as given; folders searched recursively for images, sorted."""
+    """Files as given; folders searched recursively for images, sorted (hidden files
+    left out, as training's folder scan leaves them)."""
     found: list[str] = []
     for item in inputs:
         path = Path(item)
@@ -29,7 +31,7 @@ def collect_images(inputs: Sequence[str]) -> list[str]:
                 os.path.join(d, f)
                 for d, _, files in os.walk(path)
                 for f in files
-                if f.lower().endswith(IMAGE_EXTENSIONS)
+                if f.lower().endswith(IMAGE_EXTENSIONS) and not f.startswith(".")
             )
         elif path.is_file():
             found.append(str(path))
@@ -70,8 +72,11 @@ def predict(
     batch_size: int = 64,
     device: str = "cpu",
     ema: bool = False,
-) -> list[dict]:
-    """One row per image: its path and the top-k (class, probability) pairs."""
+    on_rows: Callable[[list[dict]], None] | None = None,
+) -> tuple[list[dict], list[tuple[str, str]]]:
+    """One row per image (its path and the top-k (class, probability) pairs), and the
+    (path, why) of each image that could not be read: those are skipped, the rest
+    predicted. ``on_rows`` receives each batch's rows as soon as they are known."""
     if top_k < 1:
         raise UserError(f"--top-k must be at least 1, got {top_k}")
     device = choose_device(DistEnv(), device)
@@ -80,17 +85,32 @@ def predict(
     shrink = cfg.eval_resize
     paths = collect_images(inputs)
     k = min(top_k, len(classes))
-    rows = []
-    for start in range(0, len(paths), batch_size):
-        chunk = paths[start : start + batch_size]
-        batch = torch.stack([transform(load_rgb(p, shrink)) for p in chunk]).to(device)
-        probabilities = logits_of(model(batch)).float().softmax(dim=1)
-        values, indices = probabilities.topk(k, dim=1)
-        for path, vals, idx in zip(chunk, values.tolist(), indices.tolist(), strict=True):
-            rows.append(
+    rows: list[dict] = []
+    unreadable: list[tuple[str, str]] = []
+    with tqdm(total=len(paths), unit="img", desc="predict", leave=False, disable=None) as bar:
+        for start in range(0, len(paths), batch_size):
+            chunk, images = [], []
+            batch_paths = paths[start : start + batch_size]
+            for path in batch_paths:
+                image, problem = read_rgb(path, shrink)
+                if image is None:
+                    unreadable.append((path, problem))
+                    continue
+                chunk.append(path)
+                images.append(transform(image))
+            bar.update(len(batch_paths))
+            if not chunk:
+                continue
+            probabilities = logits_of(model(torch.stack(images).to(device))).float().softmax(1)
+            values, indices = probabilities.topk(k, dim=1)
+            batch_rows = [
                 {"path": path, "top": [(classes[i], v) for i, v in zip(idx, vals, strict=True)]}
-            )
-    return rows
+                for path, vals, idx in zip(chunk, values.tolist(), indices.tolist(), strict=True)
+            ]
+            rows += batch_rows
+            if on_rows is not None:
+                on_rows(batch_rows)
+    return rows, unreadable
 
 
 def check_inputs(checkpoint_path: str, inputs: Sequence[str], ema: bool = False) -> list[str]:
