@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import multiprocessing
+import threading
 import time
-from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -16,18 +16,17 @@ from paratrain.errors import UserError
 STAMP = "20261203-120000"
 
 
-def _claim(output: str, barrier) -> str:
-    time.strftime = lambda _format: STAMP  # every process in the same second
-    barrier.wait()
-    return claim_new_name(Path(output))
-
-
-def test_runs_started_in_the_same_second_get_distinct_folders(tmp_path):
-    context = multiprocessing.get_context("fork")
+def test_runs_started_in_the_same_second_get_distinct_folders(tmp_path, monkeypatch):
+    monkeypatch.setattr(time, "strftime", lambda _format: STAMP)  # all in the same second
     count = 6
-    barrier = context.Manager().Barrier(count)
-    with context.Pool(count) as pool:
-        names = pool.starmap(_claim, [(str(tmp_path), barrier)] * count)
+    barrier = threading.Barrier(count)
+
+    def claim() -> str:
+        barrier.wait()  # every claim at once: only mkdir's atomicity keeps them apart
+        return claim_new_name(tmp_path)
+
+    with ThreadPoolExecutor(count) as pool:
+        names = list(pool.map(lambda _: claim(), range(count)))
     assert sorted(names) == sorted([STAMP, *(f"{STAMP}-{i}" for i in range(2, count + 1))])
     assert all((tmp_path / name).is_dir() for name in names)
 
