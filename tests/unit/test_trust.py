@@ -32,6 +32,7 @@ from paratrain.engine.preempt import PreemptionGuard
 from paratrain.engine.recipe import Recipe
 from paratrain.engine.state import Progress
 from paratrain.engine.trainer import train_step
+from paratrain.errors import UserError
 from paratrain.models.registry import create_model, freeze_backbone
 from paratrain.parallel import ModelParts
 from paratrain.report.tensorboard import Board
@@ -225,6 +226,10 @@ def test_resuming_mid_epoch_with_another_batch_neither_skips_nor_repeats(tmp_pat
     seen.clear()
     state = checkpoint.load(tmp_path / "runs/m/checkpoints/last.pt")
     assert (state["consumed"], state["step_in_epoch"]) == (8, 2)
+    for key, value in (("seed", 7), ("ra_reps", 2)):  # they make the epoch's order
+        with pytest.raises(UserError, match="the checkpoint's epoch is part done under --"):
+            train(TrainConfig(**{**common, key: value, "resume": "auto"}))
+    assert not seen  # refused before any image was read
     train(TrainConfig(**{**common, "batch_size": 6, "resume": "auto"}))
     rest = seen[: 32 - 8]  # before the epoch's evaluation
     assert sorted(first + rest) == list(range(32))

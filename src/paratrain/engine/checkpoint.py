@@ -368,11 +368,14 @@ def check_resumable(
             f"the data's classes ({len(new)}: {', '.join(new[:4])}...) are not the "
             f"checkpoint's ({len(old)}: {', '.join(old[:4])}...)"
         )
-    if state.get("step_in_epoch") and saved.seed != cfg.seed:
-        refused.append(
-            f"--seed {cfg.seed} but the checkpoint's epoch is part done under seed "
-            f"{saved.seed} (the rest of the epoch follows that order)"
-        )
+    for key in ("seed", "ra_reps") if state.get("step_in_epoch") else ():
+        old, new = getattr(saved, key), getattr(cfg, key)
+        if old != new:  # they make the epoch's order: its rest must follow the same one
+            flag = "--" + key.replace("_", "-")
+            refused.append(
+                f"{flag} {new} but the checkpoint's epoch is part done under {flag} {old} "
+                "(the rest of the epoch follows that order)"
+            )
     if refused:
         weights = f"--weights {path}"
         if Path(path).is_dir():  # a sharded checkpoint: one file of it first
