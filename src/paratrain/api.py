@@ -324,6 +324,8 @@ def _resumable(cfg: TrainConfig, classes: list[str]) -> str:
     _, changed = checkpoint.check_resumable(state, cfg, classes, found)
     step = f", step {state['step_in_epoch']}" if state.get("step_in_epoch") else ""
     also = f"; changed: {', '.join(changed)}" if changed else ""
+    if state["epoch"] >= cfg.epochs:
+        also += f"; nothing left to train at --epochs {cfg.epochs}"
     return f"{found} at epoch {state['epoch'] + 1}{step}{also}"
 
 

@@ -362,3 +362,17 @@ def test_checkpoints_saved_elsewhere_are_told_apart_in_one_line(trained, tmp_pat
         assert code == 2
         if told is None:
             assert "no training state (no 'optimizer', 'epoch'" in _one_error_line(err)
+
+
+def test_resuming_a_finished_run_trains_nothing_and_rewrites_nothing(trained):
+    root, data, last = trained
+    run_dir = root / "runs/r"
+    before = {name: (run_dir / name).read_bytes() for name in ("summary.json", "config.yaml")}
+    argv = _flags(root, data, "--epochs", "1", "--resume", "auto", "--name", "r")
+    code, out, err = _run([*argv, "--dry-run"])
+    assert code == 0 and "nothing left to train at --epochs 1" in out, err
+    code, out, err = _run(argv)
+    assert code == 0, err
+    assert "1 of 1 epoch(s) already trained, nothing left to train" in out + err
+    assert {name: (run_dir / name).read_bytes() for name in before} == before
+    assert checkpoint.load(last)["epoch"] == 1

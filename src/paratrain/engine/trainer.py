@@ -38,7 +38,13 @@ from paratrain.models.registry import build_model, check_model_input
 from paratrain.parallel import ModelParts, parallelize
 from paratrain.report.metrics import MetricsWriter, format_epoch
 from paratrain.report.plots import plot_curves
-from paratrain.report.run_files import announce, progress_bar, summarise, write_run_files
+from paratrain.report.run_files import (
+    announce,
+    nothing_left,
+    progress_bar,
+    summarise,
+    write_run_files,
+)
 from paratrain.report.tensorboard import Board
 
 __all__ = ["Run", "fit", "setup", "train_epoch", "train_step"]
@@ -71,6 +77,8 @@ def fit(cfg: TrainConfig, runtime: Runtime) -> dict:
     recipe, the checkpoint to resume from), then per epoch train, evaluate, step the
     schedule, save and record; then summarise. Rank 0 alone writes files and speaks."""
     run = setup(cfg, runtime)
+    if run.progress.epoch >= cfg.epochs:  # resumed from the end: nothing is rewritten
+        return nothing_left(cfg, run.run_dir, runtime, run.progress.epoch)
     started = time.perf_counter()
     with run.control.guard, run.board:  # signals are acted on between steps
         for epoch in range(run.progress.epoch, cfg.epochs):
@@ -125,7 +133,7 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
         sync_free=_sync_free(cfg, runtime, optimizer, recipe),
     )
     metrics = MetricsWriter(run_dir)
-    if runtime.is_main:
+    if runtime.is_main and progress.epoch < cfg.epochs:
         write_run_files(cfg, split, run_dir)
         metrics.drop_after(progress.epoch)
         announce(

@@ -113,3 +113,17 @@ def summarise(
             else f"done in {seconds:.1f}s (nothing left to train)"
         )
     return summary
+
+
+def nothing_left(cfg: TrainConfig, run_dir: Path, runtime: Runtime, reached: int) -> dict:
+    """A resumed run whose checkpoint has already reached ``cfg.epochs``: said, and the
+    run's files left as they were (its summary returned, not rewritten)."""
+    summary = None
+    if runtime.is_main:
+        get_logger().info(
+            f"{run_dir}: {reached} of {cfg.epochs} epoch(s) already trained, nothing left to "
+            f"train (--epochs more than {reached} trains on)"
+        )
+        path = run_dir / "summary.json"
+        summary = json.loads(path.read_text()) if path.is_file() else {"run_dir": str(run_dir)}
+    return comm.broadcast_object(summary)
