@@ -280,8 +280,9 @@ def _guarded(call: Callable[[], int]) -> int:
     except Preempted as exc:
         print(f"paratrain: {_where()}{exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print("paratrain: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # Ctrl-C reaches every rank: rank 0 tells it
+        if os.environ.get("RANK", "0") == "0":
+            print(f"paratrain: {exc or 'interrupted'}", file=sys.stderr)
         return 130
     except BrokenPipeError:  # output piped into `head` and the like: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -13,7 +13,11 @@ import dataclasses
 import os
 import pickle
 import shutil
+import signal
 import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +68,25 @@ def copy_atomic(state: dict[str, Any], written: Path, path: Path) -> None:
         save_atomic(state, path)
         return
     _fsync_dir(path.parent)
+
+
+@contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Ctrl-C (SIGINT) held until the block ends, then raised: an interrupt inside
+    torch's zip writer surfaces as its RuntimeError instead, and a collective left by
+    one rank midway leaves the others waiting. Main thread only, as signals are."""
+    main = threading.current_thread() is threading.main_thread()
+    if not main or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield  # not ours to change (ignored, or another handler installed)
+        return
+    received: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if received:
+        raise KeyboardInterrupt
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -241,7 +264,12 @@ class Checkpointer:
     def save(self, progress: Progress, val_top1: float | None = None) -> None:
         """A collective: every rank calls it. Sharded strategies (fsdp, pipeline) write
         their shards each (folders last/, best/, epoch-NNNN/); the others hand rank 0
-        the whole state, which it writes as one file (last.pt, best.pt, epoch-NNNN.pt)."""
+        the whole state, which it writes as one file (last.pt, best.pt, epoch-NNNN.pt).
+        Ctrl-C meanwhile takes effect once the checkpoint is written."""
+        with interrupts_deferred():
+            self._save(progress, val_top1)
+
+    def _save(self, progress: Progress, val_top1: float | None) -> None:
         rng = gathered_rng_states()
         rest = self._rest(progress, val_top1, rng)
         if self.parts.collective_state:

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import threading
 from collections.abc import Mapping
+from pathlib import Path
 
 from paratrain.log import get_logger
 
@@ -27,6 +28,18 @@ class Preempted(Exception):
         super().__init__(f"stopped by {signal.Signals(signum).name}; checkpoint saved")
         self.signum = signum
         self.exit_code = 128 + signum
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during training, told with what the run kept and how to go on."""
+
+    def __init__(self, run_dir: Path, last: Path | None):
+        kept = (
+            f"its last checkpoint {last} is whole: --resume {run_dir} continues from it"
+            if last is not None
+            else "no checkpoint was saved yet"
+        )
+        super().__init__(f"interrupted; {kept}")
 
 
 class PreemptionGuard:

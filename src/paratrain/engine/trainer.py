@@ -25,10 +25,16 @@ from paratrain.data.loaders import Loaders, make_loaders, prepare_data
 from paratrain.distributed import comm
 from paratrain.distributed.runtime import Runtime, seed_everything
 from paratrain.engine import precision as precision_module
-from paratrain.engine.checkpoint import Checkpointer, resolve_run, resume, samples_per_step
+from paratrain.engine.checkpoint import (
+    Checkpointer,
+    last_of_run,
+    resolve_run,
+    resume,
+    samples_per_step,
+)
 from paratrain.engine.control import StepControl
 from paratrain.engine.evaluate import EvalResult, evaluate
-from paratrain.engine.preempt import PreemptionGuard
+from paratrain.engine.preempt import Interrupted, PreemptionGuard
 from paratrain.engine.recipe import Recipe, build_optimizer, build_recipe
 from paratrain.engine.schedule import Schedule, build_schedule, describe_schedule, peak_lr
 from paratrain.engine.state import Progress
@@ -80,14 +86,17 @@ def fit(cfg: TrainConfig, runtime: Runtime) -> dict:
     if run.progress.epoch >= cfg.epochs:  # resumed from the end: nothing is rewritten
         return nothing_left(cfg, run.run_dir, runtime, run.progress.epoch)
     started = time.perf_counter()
-    with run.control.guard, run.board:  # signals are acted on between steps
-        for epoch in range(run.progress.epoch, cfg.epochs):
-            epoch_start = time.perf_counter()
-            train_seconds = train_epoch(run, epoch)
-            result, averaged = validate(run)
-            record_epoch(
-                run, epoch, time.perf_counter() - epoch_start, train_seconds, result, averaged
-            )
+    try:
+        with run.control.guard, run.board:  # signals are acted on between steps
+            for epoch in range(run.progress.epoch, cfg.epochs):
+                epoch_start = time.perf_counter()
+                train_seconds = train_epoch(run, epoch)
+                result, averaged = validate(run)
+                record_epoch(
+                    run, epoch, time.perf_counter() - epoch_start, train_seconds, result, averaged
+                )
+    except KeyboardInterrupt:  # checkpoints are written whole or not at all: say which
+        raise Interrupted(run.run_dir, last_of_run(run.run_dir)) from None
     comm.barrier()
     seconds = time.perf_counter() - started
     return summarise(cfg, run.run_dir, run.metrics, runtime, seconds, run.progress.skipped_steps)

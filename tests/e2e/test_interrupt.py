@@ -1,0 +1,62 @@
+"""Ctrl-C during training: told once, with the checkpoint kept and how to go on."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from imagefolders import make_image_folder
+from paratrain.engine import checkpoint
+from paratrain.engine.checkpoint import interrupts_deferred
+
+
+def test_an_interrupt_during_a_checkpoint_write_waits_for_the_write():
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # delivered by now, and held
+            finished = True
+    assert finished
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_ctrl_c_is_told_once_and_the_run_resumes_from_what_it_kept(tmp_path, nproc):
+    data = make_image_folder(tmp_path / "data", classes=3, per_class=8)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PARATRAIN_CACHE"] = str(tmp_path / "cache")
+    argv = [
+        *(sys.executable, "-m", "paratrain", "train", "--data", str(data)),
+        *("--model", "resnet18", "--image-size", "16", "--batch-size", "4", "--epochs", "500"),
+        *("--workers", "0", "--precision", "32", "--nproc", str(nproc), "--name", "r"),
+    ]
+    process = subprocess.Popen(
+        argv,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # Ctrl-C reaches the whole process group, as from a terminal
+    )
+    saved = tmp_path / "runs/r/checkpoints/last.pt"
+    deadline = time.monotonic() + 120
+    while not saved.exists() and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.2)
+    time.sleep(1.0)  # well into later epochs, whose saves the signal may hit
+    os.killpg(process.pid, signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err
+    assert "Traceback" not in err, err
+    told = [line for line in err.splitlines() if line.startswith("paratrain:")]
+    assert len(told) == 1, err
+    assert told[0].startswith(f"paratrain: interrupted; its last checkpoint {Path('runs/r')}")
+    assert told[0].endswith("--resume runs/r continues from it")
+    reached = checkpoint.load(saved)["epoch"]
+    assert reached >= 1
