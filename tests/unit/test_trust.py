@@ -376,3 +376,23 @@ def test_resuming_a_finished_run_trains_nothing_and_rewrites_nothing(trained):
     assert "1 of 1 epoch(s) already trained, nothing left to train" in out + err
     assert {name: (run_dir / name).read_bytes() for name in before} == before
     assert checkpoint.load(last)["epoch"] == 1
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_line_and_keeps_the_old_one(tmp_path):
+    import resource
+
+    target = tmp_path / "last.pt"
+    checkpoint.save_atomic({"model": {"w": torch.zeros(4)}}, target)
+    before = target.read_bytes()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))  # files of 1 MiB at most
+    try:
+        with pytest.raises(UserError) as raised:
+            checkpoint.save_atomic({"model": {"w": torch.zeros(1 << 20)}}, target)  # 4 MiB
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert str(raised.value) == (
+        f"cannot write checkpoint {target}: File too large (the previous one is unchanged)"
+    )
+    assert target.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]  # no partial file left

@@ -39,15 +39,27 @@ BEST = "best.pt"
 
 
 def save_atomic(state: dict[str, Any], path: Path) -> None:
-    """A reader sees the old file or the new one, never a torn one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    """A reader sees the old file or the new one, never a torn one. A write that fails
+    (a full disk, a file size limit) is one line; the old file stays as it was."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise UserError(f"cannot write checkpoint {path}: {exc.strerror or exc}") from None
     try:
         with os.fdopen(fd, "wb") as handle:
             torch.save(state, handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as exc:  # torch's zip writer reports write errors so
+        Path(tmp).unlink(missing_ok=True)
+        cause = exc.__context__ if isinstance(exc.__context__, OSError) else exc
+        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause)
+        kept = "the previous one is unchanged" if path.exists() else "none was saved before"
+        raise UserError(
+            f"cannot write checkpoint {path}: {reason.strip().splitlines()[0][:200]} ({kept})"
+        ) from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
