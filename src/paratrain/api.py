@@ -123,6 +123,8 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, say: Say = print) -> dict 
         cfg = replace(cfg, data=str(ensure_digits(cfg.cache_dir)))
     if not os.environ.get(CHECKED):
         _told_once(env, lambda: preflight(cfg))
+        if env.source == "single" and not dry_run and (warning := oversubscribed(cfg)):
+            print(f"paratrain: warning: {warning}", file=sys.stderr)
     choices = []
     if autopilot_needed(cfg):
         if env.source != "single":
@@ -233,6 +235,22 @@ def check_devices(cfg: TrainConfig) -> None:
         raise UserError("--backend nccl needs CUDA devices; use gloo on CPU")
 
 
+def oversubscribed(cfg: TrainConfig) -> str | None:
+    """A warning when --nproc starts more CPU processes than this machine has cores."""
+    import torch
+
+    from paratrain.distributed.runtime import usable_cores
+
+    on_cpu = (cfg.device or "").startswith("cpu") or not torch.cuda.is_available()
+    if not on_cpu or cfg.nproc == "auto" or cfg.nproc <= usable_cores():
+        return None
+    return (
+        f"--nproc {cfg.nproc} on {usable_cores()} CPU core(s): the processes take turns on "
+        "the cores and each holds its own copy of the model; --nproc auto measures what is "
+        "fastest here"
+    )
+
+
 def describe_train(
     cfg: TrainConfig, env: DistEnv, unwritten: Path | None = None, choices: list | None = None
 ) -> str:
@@ -302,6 +320,8 @@ def describe_train(
         f"  decoded-image cache: {cache}",
     ]
     lines += [f"  chosen: {choice.line()}" for choice in choices or []]
+    if launched and (warning := oversubscribed(cfg)):
+        lines.append(f"  warning: {warning}")
     if unwritten is None:
         lines.append(f"  resume: {resumes}")
     return "\n".join(lines)

@@ -245,6 +245,19 @@ def test_a_batch_of_one_is_refused_only_where_batchnorm_would_see_one_value(tmp_
     assert code == 0, err  # SyncBN: both ranks' images together
 
 
+def test_more_cpu_processes_than_cores_is_warned_in_the_dry_run(folder, monkeypatch):
+    from paratrain.distributed import runtime
+
+    monkeypatch.setattr(runtime, "usable_cores", lambda: 2)
+    common = ["train", "--data", str(folder), "--image-size", "32", "--device", "cpu"]
+    common += ["--dry-run"]
+    code, out, err = _run([*common, "--nproc", "3"])
+    assert code == 0, err
+    assert "  warning: --nproc 3 on 2 CPU core(s): the processes take turns" in out
+    code, out, err = _run([*common, "--nproc", "2"])
+    assert code == 0 and "warning" not in out + err
+
+
 def test_norm_batch_counts_the_images_one_batchnorm_sees():
     cfg = TrainConfig(batch_size=8)
     assert cfg.norm_batch(world=4) == 8

@@ -64,10 +64,15 @@ def choose_backend(device: torch.device, requested: str | None = None) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity, else the machine's)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return cores or 1
+
+
 def threads_per_process(local_world_size: int) -> int:
     """Share this machine's cores among the processes started on it."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // max(local_world_size, 1))
+    return max(1, usable_cores() // max(local_world_size, 1))
 
 
 @contextmanager
