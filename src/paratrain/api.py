@@ -139,16 +139,22 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, say: Say = print) -> dict 
     if dry_run:
         say(describe_train(cfg, env, choices=choices))
         return None
+    claimed = None
     if cfg.nproc > 1 and env.source == "single" and not cfg.name and not cfg.resume:
         # restarted workers must find this run again, so its name is fixed up front
         cfg = replace(cfg, name=claim_new_name(Path(cfg.output_dir)))
-    return launch_or_run(
-        cfg.nproc,
-        ["train", *to_argv(cfg)],
-        lambda env: _train_worker(cfg, env),
-        max_restarts=cfg.max_restarts,
-        master_port=cfg.master_port,
-    )
+        claimed = Path(cfg.output_dir) / cfg.name
+    try:
+        return launch_or_run(
+            cfg.nproc,
+            ["train", *to_argv(cfg)],
+            lambda env: _train_worker(cfg, env),
+            max_restarts=cfg.max_restarts,
+            master_port=cfg.master_port,
+        )
+    finally:  # workers that stopped before writing anything leave no empty run folder
+        if claimed is not None and claimed.is_dir() and not any(claimed.iterdir()):
+            claimed.rmdir()
 
 
 def autopilot_needed(cfg: TrainConfig) -> bool:

@@ -47,3 +47,29 @@ def test_unnamed_runs_each_claim_their_own_folder(tmp_path, monkeypatch):
     first, _ = resolve_run(cfg)
     second, _ = resolve_run(cfg)
     assert (first.name, second.name) == (STAMP, f"{STAMP}-2")
+
+
+def test_a_launch_that_wrote_nothing_leaves_no_empty_run_folder(tmp_path, monkeypatch):
+    from imagefolders import make_image_folder
+    from paratrain import api
+
+    data = make_image_folder(tmp_path / "data", classes=2, per_class=4)
+    cfg = TrainConfig(data=str(data), output_dir=str(tmp_path / "runs"), nproc=2)
+
+    def workers_refused(nproc, argv, work, **_):
+        assert "--name" in argv  # the claimed name is handed to the workers
+        raise SystemExit(2)
+
+    monkeypatch.setattr(api, "launch_or_run", workers_refused)
+    with pytest.raises(SystemExit):
+        api.train(cfg)
+    assert list((tmp_path / "runs").iterdir()) == []
+
+    def workers_wrote(nproc, argv, work, **_):
+        name = argv[argv.index("--name") + 1]
+        (tmp_path / "runs" / name / "config.yaml").write_text("epochs: 1\n")
+
+    monkeypatch.setattr(api, "launch_or_run", workers_wrote)
+    api.train(cfg)
+    runs = list((tmp_path / "runs").iterdir())
+    assert len(runs) == 1 and (runs[0] / "config.yaml").is_file()  # a run that wrote: kept
