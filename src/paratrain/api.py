@@ -389,6 +389,13 @@ def evaluate(opts: EvalOptions, say: Say = print) -> dict | None:
             f"classes of {data_dir} ({len(split.classes)}) differ from the checkpoint's "
             f"({len(state['classes'])}): {split.classes[:5]} vs {state['classes'][:5]}"
         )
+    if saved.bad_images == "skip":  # as the run did: its validation left them out
+        from paratrain.data.scan import find_bad_images
+
+        bad = {path for path, _ in find_bad_images([p for p, _ in split.val], 0, 1, 0, True)}
+        if bad:
+            say(f"skipping {len(bad)} unreadable validation image(s), as the run did")
+            split = replace(split, val=[s for s in split.val if s[0] not in bad])
     weights = weights_of(state, opts.checkpoint, opts.ema)
     check_weights_fit(saved.model, len(split.classes), saved.train_size, weights, opts.checkpoint)
     if opts.dry_run:

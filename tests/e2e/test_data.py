@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -62,3 +64,22 @@ def test_bad_images_error_then_skip_on_two_processes(tmp_path):
     counts = re.search(r"(\d+) train / (\d+) val images", skip.stdout).groups()
     assert int(counts[0]) + int(counts[1]) == 102 - 4
     assert "decoded-image cache" in skip.stdout
+    # eval of that run leaves out unreadable validation images, as the run did
+    from paratrain.data.folder import build_split
+
+    damaged = next(path for path, _ in build_split(data).val if path not in bad)
+    Path(damaged).write_bytes(b"")  # one more, in the validation part this time
+    evaluated = subprocess.run(
+        [
+            *(sys.executable, "-m", "paratrain", "eval", "--json"),
+            *("--checkpoint", "runs/skip/checkpoints/last.pt", "--data", str(data)),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert evaluated.stdout.startswith("skipping 1 unreadable validation image(s), as the run")
+    report = json.loads(evaluated.stdout.splitlines()[-1])
+    assert report["count"] == int(counts[1]) - 1

@@ -232,3 +232,20 @@ def test_ema_flag_without_ema_weights_is_one_clear_error(trained_run, capsys):
         extra = [str(root / "data")] if command == "predict" else []
         assert main([command, "--checkpoint", checkpoint, "--ema", *extra]) == 2
         assert "holds no EMA weights (train with --ema-decay)" in capsys.readouterr().err
+
+
+def test_a_class_without_validation_images_has_no_accuracy_rather_than_zero():
+    from paratrain.engine.evaluate import EvalResult
+    from paratrain.report.evaluation import format_report
+
+    confusion = torch.tensor([[3, 1, 0], [0, 0, 0], [1, 0, 1]])
+    result = EvalResult(loss=0.5, top1=4 / 6, top5=None, count=6, confusion=confusion)
+    assert result.per_class_accuracy() == [0.75, None, 0.5]
+    report = {
+        **result.as_dict(),
+        "world_size": 1,
+        "per_class": dict(zip(["a", "b", "c"], result.per_class_accuracy(), strict=True)),
+        "report_dir": "eval",
+    }
+    lines = format_report(report).splitlines()
+    assert lines[1:4] == ["  a  75.00%", "  b  no images", "  c  50.00%"]

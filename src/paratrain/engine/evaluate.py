@@ -31,10 +31,14 @@ class EvalResult:
         """The totals, for JSON and the metrics row."""
         return {"loss": self.loss, "top1": self.top1, "top5": self.top5, "count": self.count}
 
-    def per_class_accuracy(self) -> list[float]:
-        """Each class's share of correct predictions, from the confusion matrix."""
-        totals = self.confusion.sum(dim=1).clamp(min=1)
-        return (self.confusion.diagonal() / totals).tolist()
+    def per_class_accuracy(self) -> list[float | None]:
+        """Each class's share of correct predictions, from the confusion matrix (None for
+        a class with no validation image: there is nothing to be right or wrong about)."""
+        totals = self.confusion.sum(dim=1)
+        shares = (self.confusion.diagonal() / totals.clamp(min=1)).tolist()
+        return [
+            share if total else None for share, total in zip(shares, totals.tolist(), strict=True)
+        ]
 
 
 def _full_batch_logits(

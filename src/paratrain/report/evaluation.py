@@ -20,7 +20,8 @@ def format_report(report: dict) -> str:
     ]
     width = max(len(name) for name in report["per_class"])
     lines += [
-        f"  {name.ljust(width)}  {accuracy:.2%}" for name, accuracy in report["per_class"].items()
+        f"  {name.ljust(width)}  " + ("no images" if accuracy is None else f"{accuracy:.2%}")
+        for name, accuracy in report["per_class"].items()
     ]
     lines.append(
         f"per-class accuracy, confusion matrix and misclassified files in {report['report_dir']}"
