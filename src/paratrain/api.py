@@ -211,6 +211,10 @@ def check_devices(cfg: TrainConfig) -> None:
     """Options this machine's devices cannot run, refused once here, not by every rank."""
     import torch
 
+    if cfg.device is not None:
+        from paratrain.distributed.runtime import choose_device
+
+        choose_device(DistEnv(), cfg.device)  # a CUDA device this machine lacks: one line
     on_cpu = (cfg.device or "").startswith("cpu") or not torch.cuda.is_available()
     if cfg.strategy == "dp":
         from paratrain.parallel.dp import check_available

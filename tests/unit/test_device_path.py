@@ -160,3 +160,5 @@ def test_nproc_beyond_the_gpus_is_refused_in_one_line(monkeypatch, tmp_path):
     with pytest.raises(UserError, match="--nproc 2 needs 2 GPUs and this machine has 1"):
         check_devices(TrainConfig(nproc=2))
     check_devices(TrainConfig(nproc=2, device="cuda:0", backend="gloo"))  # shared, as asked
+    with pytest.raises(UserError, match="--device cuda:1: this machine has 1 GPU"):
+        check_devices(TrainConfig(device="cuda:1"))

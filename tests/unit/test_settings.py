@@ -201,6 +201,8 @@ def _one_line_error(code: int, err: str, *needles: str) -> None:
         (["slurm", "--epochs", "0", "--data", "D"], ["--epochs", "0"]),
         (["slurm", "--time", "tomorrow"], ["--time", "a SLURM time"]),
         (["runs", "/nowhere/at/all"], ["no such run folder: /nowhere/at/all"]),
+        (["train", "--device", "cuda:99", "--dry-run"], ["--device cuda:99"]),  # any machine
+        (["bench", "--device", "cuda:99", "--dry-run"], ["--device cuda:99"]),
         (
             ["train", "--model", "vit_b_32", "--image-size", "16", "--dry-run"],
             ["vit_b_32", "16px", "the smallest --image-size it takes is 32"],

@@ -47,9 +47,15 @@ def choose_device(env: DistEnv, requested: str | None = None) -> torch.device:
         if requested == "cuda":
             return torch.device("cuda", env.local_rank % torch.cuda.device_count())
         try:
-            return torch.device(requested)
+            device = torch.device(requested)
         except RuntimeError:
             raise UserError(f"--device: not a device name: {requested!r}") from None
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise UserError(
+                f"--device {requested}: this machine has {torch.cuda.device_count()} GPU(s) "
+                f"(cuda:0 .. cuda:{torch.cuda.device_count() - 1})"
+            )
+        return device
     if torch.cuda.is_available():
         return torch.device("cuda", env.local_rank % torch.cuda.device_count())
     return torch.device("cpu")
