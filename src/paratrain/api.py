@@ -88,10 +88,10 @@ def check_model_input(cfg: TrainConfig, world: int) -> None:
     """registry.check_model_input before any process starts, for ``world`` ranks."""
     import torch
 
+    from paratrain.distributed.runtime import runs_on_cuda
     from paratrain.models.registry import check_model_input as check
 
-    cuda = torch.cuda.is_available() and not (cfg.device or "").startswith("cpu")
-    check(cfg, world, torch.cuda.device_count() if cuda else 0)
+    check(cfg, world, torch.cuda.device_count() if runs_on_cuda(cfg.device) else 0)
 
 
 # ---------------------------------------------------------------- train
@@ -211,11 +211,11 @@ def check_devices(cfg: TrainConfig) -> None:
     """Options this machine's devices cannot run, refused once here, not by every rank."""
     import torch
 
-    if cfg.device is not None:
-        from paratrain.distributed.runtime import choose_device
+    from paratrain.distributed.runtime import choose_device, runs_on_cuda
 
+    if cfg.device is not None:
         choose_device(DistEnv(), cfg.device)  # a CUDA device this machine lacks: one line
-    on_cpu = (cfg.device or "").startswith("cpu") or not torch.cuda.is_available()
+    on_cpu = not runs_on_cuda(cfg.device)
     if cfg.strategy == "dp":
         from paratrain.parallel.dp import check_available
 
@@ -247,12 +247,9 @@ def check_devices(cfg: TrainConfig) -> None:
 
 def oversubscribed(cfg: TrainConfig) -> str | None:
     """A warning when --nproc starts more CPU processes than this machine has cores."""
-    import torch
+    from paratrain.distributed.runtime import runs_on_cuda, usable_cores
 
-    from paratrain.distributed.runtime import usable_cores
-
-    on_cpu = (cfg.device or "").startswith("cpu") or not torch.cuda.is_available()
-    if not on_cpu or cfg.nproc == "auto" or cfg.nproc <= usable_cores():
+    if runs_on_cuda(cfg.device) or cfg.nproc == "auto" or cfg.nproc <= usable_cores():
         return None
     return (
         f"--nproc {cfg.nproc} on {usable_cores()} CPU core(s): the processes take turns on "
@@ -271,12 +268,13 @@ def describe_train(
 
     from paratrain.data.cache import survey
     from paratrain.data.folder import build_split
+    from paratrain.distributed.runtime import runs_on_cuda
     from paratrain.engine.precision import resolve
     from paratrain.engine.schedule import describe_schedule, peak_lr
 
     launched = cfg.nproc > 1 and env.source == "single"
     world = cfg.nproc if launched else env.world_size
-    cuda = torch.cuda.is_available() and not (cfg.device or "").startswith("cpu")
+    cuda = runs_on_cuda(cfg.device)
     check_model_input(cfg, world)
     device = "cuda" if cuda else "cpu"
     backend = cfg.backend or ("nccl" if cuda else "gloo")

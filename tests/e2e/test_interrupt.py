@@ -13,7 +13,7 @@ import pytest
 
 from imagefolders import make_image_folder
 from paratrain.engine import checkpoint
-from paratrain.engine.checkpoint import interrupts_deferred
+from paratrain.engine.preempt import interrupts_deferred
 
 
 def test_an_interrupt_during_a_checkpoint_write_waits_for_the_write():

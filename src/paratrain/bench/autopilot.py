@@ -34,6 +34,7 @@ from torch import nn
 
 from paratrain.config import TrainConfig
 from paratrain.data.builtin import default_cache_dir
+from paratrain.distributed.runtime import runs_on_cuda
 from paratrain.errors import UserError
 
 DEFAULT_BATCH = 16  # the batch --lr is given for when --batch-size is auto
@@ -104,7 +105,7 @@ def choose_nproc(
     cfg: TrainConfig, measure: Callable[[TrainConfig, int], dict] = measure_layouts
 ) -> Choice:
     """One process per GPU; on a CPU alone the layout measured faster (kept for next time)."""
-    if torch.cuda.is_available() and not (cfg.device or "").startswith("cpu"):
+    if runs_on_cuda(cfg.device):
         n = torch.cuda.device_count()
         return Choice("--nproc", n, f"one process per GPU ({n} GPU(s) here)")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -136,7 +137,7 @@ def choose_nproc(
 def device_memory(cfg: TrainConfig, nproc: int) -> tuple[int, str]:
     """The memory one process may use: a GPU's, or this machine's available memory over
     the processes."""
-    if torch.cuda.is_available() and not (cfg.device or "").startswith("cpu"):
+    if runs_on_cuda(cfg.device):
         total = torch.cuda.get_device_properties(0).total_memory
         return total, f"{total / 2**30:.0f} GiB per GPU"
     available = _available_memory()
@@ -249,7 +250,7 @@ def _fits(try_batch: Callable[[int], None], batch: int) -> bool:
 
 def choose_batch(cfg: TrainConfig, strategy: str, nproc: int, memory: int, where: str) -> Choice:
     """The largest per-device batch that fits the memory, with a margin; a multiple of 8."""
-    if torch.cuda.is_available() and not (cfg.device or "").startswith("cpu"):
+    if runs_on_cuda(cfg.device):
         found = largest_batch_that_trains(lambda b: _cuda_step(cfg, b))
         batch = round_batch(found * MARGIN)
         why = f"{found} trained on the GPU, {MARGIN:.0%} of it kept as a margin"

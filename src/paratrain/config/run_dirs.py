@@ -29,15 +29,21 @@ def claim_new_name(output_dir: Path) -> str:
     raise UserError(f"--output-dir: no free run name left for {stamp} in {output_dir}")
 
 
-def claim_checkpoints(run_dir: Path) -> None:
-    """Create ``run_dir/checkpoints`` for a new run, refusing when another run made it
-    first (one that exists, or one started at the same moment with the same name)."""
+def already_holds_a_run(run_dir: Path) -> UserError:
+    """The refusal for a run folder that is taken, naming both ways on."""
+    return UserError(
+        f"{run_dir} already holds a run: --resume auto continues it, another --name "
+        "starts a new one"
+    )
+
+
+def claim_checkpoints(run_dir: Path, new_run: bool) -> None:
+    """Create ``run_dir/checkpoints``. For a new run, in one step that refuses when
+    another run made it first (one that exists, or one started at the same moment with
+    the same name); a continued run finds it there."""
     try:
-        (run_dir / "checkpoints").mkdir(parents=True)
+        (run_dir / "checkpoints").mkdir(parents=True, exist_ok=not new_run)
     except FileExistsError:
-        raise UserError(
-            f"{run_dir} already holds a run: --resume auto continues it, another --name "
-            "starts a new one"
-        ) from None
+        raise already_holds_a_run(run_dir) from None
     except OSError as exc:
         raise UserError(f"--output-dir: cannot create {run_dir}: {exc.strerror or exc}") from None

@@ -39,6 +39,11 @@ class Runtime:
         return self.env.is_main
 
 
+def runs_on_cuda(requested: str | None) -> bool:
+    """Whether a run given ``--device requested`` (None: the default) uses CUDA."""
+    return torch.cuda.is_available() and not (requested or "").startswith("cpu")
+
+
 def choose_device(env: DistEnv, requested: str | None = None) -> torch.device:
     """cuda:LOCAL_RANK where CUDA is present (or asked for), else cpu."""
     if requested is not None:

@@ -13,20 +13,17 @@ import dataclasses
 import os
 import pickle
 import shutil
-import signal
 import tempfile
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from paratrain.config import TrainConfig
-from paratrain.config.run_dirs import claim_checkpoints, claim_new_name
+from paratrain.config.run_dirs import already_holds_a_run, claim_checkpoints, claim_new_name
 from paratrain.distributed.runtime import Runtime
 from paratrain.engine import sharded
+from paratrain.engine.preempt import interrupts_deferred
 from paratrain.engine.recipe import Recipe
 from paratrain.engine.schedule import Schedule, peak_lr
 from paratrain.engine.state import Progress, gathered_rng_states, restore_rng
@@ -80,25 +77,6 @@ def copy_atomic(state: dict[str, Any], written: Path, path: Path) -> None:
         save_atomic(state, path)
         return
     _fsync_dir(path.parent)
-
-
-@contextmanager
-def interrupts_deferred() -> Iterator[None]:
-    """Ctrl-C (SIGINT) held until the block ends, then raised: an interrupt inside
-    torch's zip writer surfaces as its RuntimeError instead, and a collective left by
-    one rank midway leaves the others waiting. Main thread only, as signals are."""
-    main = threading.current_thread() is threading.main_thread()
-    if not main or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield  # not ours to change (ignored, or another handler installed)
-        return
-    received: list[int] = []
-    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    if received:
-        raise KeyboardInterrupt
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -216,10 +194,7 @@ def check_run_dir_free(cfg: TrainConfig) -> None:
     if cfg.name and cfg.resume is None and not restarted:
         run_dir = Path(cfg.output_dir) / cfg.name
         if holds_a_run(run_dir):
-            raise UserError(
-                f"{run_dir} already holds a run: --resume auto continues it, another "
-                "--name starts a new one"
-            )
+            raise already_holds_a_run(run_dir)
 
 
 def resolve_run(cfg: TrainConfig) -> tuple[Path, Path | None]:
@@ -243,15 +218,7 @@ def resolve_run(cfg: TrainConfig) -> tuple[Path, Path | None]:
     else:  # a timestamp; a run started in the same second gets the next free name
         name = claim_new_name(output)
     run_dir = output / name
-    if fresh:  # one step, so two runs started together cannot both take it
-        claim_checkpoints(run_dir)
-    else:
-        try:
-            (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise UserError(
-                f"--output-dir: cannot create {run_dir}: {exc.strerror or exc}"
-            ) from None
+    claim_checkpoints(run_dir, new_run=fresh)  # one step: two new runs cannot share it
     return run_dir, resume_from
 
 

@@ -13,7 +13,8 @@ import os
 import signal
 import subprocess
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 from paratrain.log import get_logger
@@ -28,6 +29,25 @@ class Preempted(Exception):
         super().__init__(f"stopped by {signal.Signals(signum).name}; checkpoint saved")
         self.signum = signum
         self.exit_code = 128 + signum
+
+
+@contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Ctrl-C (SIGINT) held until the block ends, then raised: an interrupt inside
+    torch's zip writer surfaces as its RuntimeError instead, and a collective left by
+    one rank midway leaves the others waiting. Main thread only, as signals are."""
+    main = threading.current_thread() is threading.main_thread()
+    if not main or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield  # not ours to change (ignored, or another handler installed)
+        return
+    received: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if received:
+        raise KeyboardInterrupt
 
 
 class Interrupted(KeyboardInterrupt):

@@ -106,11 +106,9 @@ def summarise(
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         best = summary["best_val_top1"]
         skipped = f", {skipped_steps} non-finite step(s) skipped" if skipped_steps else ""
-        get_logger().info(
+        get_logger().info(  # an epoch ran (a run with none left ends in nothing_left)
             f"done in {seconds:.1f}s: best val top1 {best:.2%}{skipped}, checkpoints in "
             f"{run_dir / 'checkpoints'}"
-            if best is not None
-            else f"done in {seconds:.1f}s (nothing left to train)"
         )
     return summary
 
