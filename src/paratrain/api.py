@@ -278,7 +278,7 @@ def describe_train(
     check_model_input(cfg, world)
     device = "cuda" if cuda else "cpu"
     backend = cfg.backend or ("nccl" if cuda else "gloo")
-    replicas = world // cfg.stages if cfg.strategy == "pipeline" else world
+    replicas = cfg.replicas(world)
     global_batch = cfg.batch_size * replicas * cfg.grad_accum
     peak = peak_lr(cfg, replicas)
     precision = resolve(cfg.precision, torch.device(device))

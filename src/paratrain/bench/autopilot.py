@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import platform
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -34,7 +33,7 @@ from torch import nn
 
 from paratrain.config import TrainConfig
 from paratrain.data.builtin import default_cache_dir
-from paratrain.distributed.runtime import runs_on_cuda
+from paratrain.distributed.runtime import runs_on_cuda, usable_cores
 from paratrain.errors import UserError
 
 DEFAULT_BATCH = 16  # the batch --lr is given for when --batch-size is auto
@@ -52,10 +51,6 @@ class Choice:
 
     def line(self) -> str:
         return f"{self.setting} auto -> {self.value}: {self.why}"
-
-
-def is_auto(cfg: TrainConfig) -> bool:
-    return "auto" in (cfg.nproc, cfg.strategy, cfg.batch_size, cfg.lr)
 
 
 # ------------------------------------------------------------------ processes
@@ -76,7 +71,7 @@ def _machine_key(cfg: TrainConfig) -> str:
                 break
     except OSError:
         pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = usable_cores()
     return f"{cpu}|{cores}|{cfg.model}|{cfg.train_size}|{cfg.batch_size}|{cfg.precision}"
 
 
@@ -108,7 +103,7 @@ def choose_nproc(
     if runs_on_cuda(cfg.device):
         n = torch.cuda.device_count()
         return Choice("--nproc", n, f"one process per GPU ({n} GPU(s) here)")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = usable_cores()
     if cores < 2:
         return Choice("--nproc", 1, "one core here")
     store = Path(cfg.cache_dir or default_cache_dir()) / "autopilot.json"
@@ -141,9 +136,8 @@ def device_memory(cfg: TrainConfig, nproc: int) -> tuple[int, str]:
         total = torch.cuda.get_device_properties(0).total_memory
         return total, f"{total / 2**30:.0f} GiB per GPU"
     available = _available_memory()
-    return available // max(
-        nproc, 1
-    ), f"{available / 2**30:.1f} GiB available / {nproc} process(es)"
+    where = f"{available / 2**30:.1f} GiB available / {nproc} process(es)"
+    return available // max(nproc, 1), where
 
 
 def _available_memory() -> int:
@@ -273,8 +267,7 @@ def _data_cap(cfg: TrainConfig) -> int:
     from paratrain.data.folder import build_split
 
     images = len(build_split(cfg.data, cfg.val_fraction, cfg.split_seed).train)
-    replicas = cfg.nproc // cfg.stages if cfg.strategy == "pipeline" else cfg.nproc
-    return round_batch(images / (max(replicas, 1) * MIN_STEPS * cfg.grad_accum))
+    return round_batch(images / (max(cfg.replicas(cfg.nproc), 1) * MIN_STEPS * cfg.grad_accum))
 
 
 def _cuda_step(cfg: TrainConfig, batch: int) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from paratrain.bench import costmodel
 from paratrain.config import STEP_SETTINGS, BenchOptions, TrainConfig, to_argv
+from paratrain.distributed.runtime import usable_cores
 from paratrain.errors import UserError
 
 SAME_THREADS = "same threads per process"
@@ -54,7 +55,7 @@ def settings_from(opts: ScaleSettings) -> ScaleSettings:
     if nproc_max is None:
         import torch
 
-        nproc_max = torch.cuda.device_count() or available_cores()
+        nproc_max = torch.cuda.device_count() or usable_cores()
     link = costmodel.PRESETS[opts.link] if opts.link else None
     if opts.bandwidth is not None:
         link = costmodel.Link("given", opts.bandwidth, opts.latency)
@@ -82,11 +83,6 @@ class Measured:
     images_per_s: float
     speedup: float = 1.0
     efficiency: float = 1.0
-
-
-def available_cores() -> int:
-    """The cores this process may run on (its affinity), which the measured layouts share out."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 @contextlib.contextmanager
@@ -139,7 +135,7 @@ def measure(
     from paratrain.distributed.env import detect
     from paratrain.distributed.runtime import distributed
 
-    cores = available_cores()
+    cores = usable_cores()
     same = max(1, cores // opts.nproc_max)
     rows: list[Measured] = []
     samples: list[tuple[int, int, float]] = []
@@ -272,7 +268,7 @@ def report(
         "image_size": cfg.image_size,
         "batch_size": cfg.batch_size,
         "precision": cfg.precision,
-        "cores": available_cores(),
+        "cores": usable_cores(),
         "nproc_max": opts.nproc_max,
         "epoch_images": opts.epoch_images,
         "profile": {

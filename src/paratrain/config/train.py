@@ -569,6 +569,10 @@ class TrainConfig(Options):
         validation needs (validation's resize, unless training crops need more)."""
         return max(self.eval_resize, int(round(self.train_size * 256 / 224)))
 
+    def replicas(self, world: int) -> int:
+        """Model replicas among ``world`` processes: a pipeline's stages make one."""
+        return world // self.stages if self.strategy == "pipeline" else world
+
     def norm_batch(self, world: int, gpus: int = 0) -> int:
         """The fewest images one BatchNorm layer sees at once in training: a pipeline's
         micro-batch, DataParallel's smallest chunk over ``gpus``, or with --sync-bn the
