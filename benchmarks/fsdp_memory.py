@@ -27,7 +27,7 @@ from paratrain.distributed.runtime import Runtime
 from paratrain.engine.precision import Precision
 from paratrain.engine.recipe import build_optimizer
 from paratrain.models.registry import build_model
-from paratrain.parallel import parallelize
+from paratrain.parallel.parallelize import parallelize
 
 CLASSES = 10
 

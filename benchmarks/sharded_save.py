@@ -32,7 +32,7 @@ from paratrain.engine.checkpoint import save_atomic
 from paratrain.engine.precision import Precision
 from paratrain.engine.recipe import build_optimizer
 from paratrain.models.registry import build_model
-from paratrain.parallel import parallelize
+from paratrain.parallel.parallelize import parallelize
 
 CLASSES, SIZE, BATCH = 10, 32, 4
 

@@ -137,26 +137,23 @@ def add_settings(
                 groups[s.rule.group] = parser.add_argument_group(s.rule.group)
             target = groups[s.rule.group]
         shown = S if s.rule.hidden else s.help_text()
-        metavar = s.rule.metavar or (
-            "{" + ",".join(s.rule.choices) + "}" if s.rule.choices else None
-        )
+        options = s.rule.options
+        metavar = s.rule.metavar or ("{" + ",".join(options) + "}" if options else None)
         if s.rule.positional:
             default = s.default if s.rule.nargs == "?" else S
             target.add_argument(
                 s.name, nargs=s.rule.nargs, default=default, help=shown, metavar=metavar
             )
         elif s.kind is bool:
-            target.add_argument(s.flag, dest=s.name, action="store_true", default=S, help=shown)
+            target.add_argument(*s.flags, dest=s.name, action="store_true", default=S, help=shown)
         else:
             target.add_argument(
-                s.flag,
+                *s.flags,
                 dest=s.name,
                 type=_parse_as(s),
                 default=S,
                 help=shown,
-                choices=(*s.rule.choices, "auto")
-                if s.rule.choices and s.rule.auto
-                else s.rule.choices,
+                choices=(*options, "auto") if options and s.rule.auto else options,
                 metavar=metavar or s.name.upper(),
             )
 

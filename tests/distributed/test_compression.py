@@ -59,7 +59,7 @@ def test_compressed_average_is_close_to_the_exact_one():
 
 
 def _bench(rank, world_size):
-    from paratrain.bench.step import run_bench
+    from paratrain.bench.speed import run_bench
     from paratrain.config import TrainConfig
     from paratrain.distributed.env import detect
     from paratrain.distributed.runtime import Runtime
@@ -83,7 +83,7 @@ def _ddp_settings(rank, world_size, grad_accum):
     from paratrain.config import TrainConfig
     from paratrain.distributed.env import detect
     from paratrain.distributed.runtime import Runtime
-    from paratrain.parallel import parallelize
+    from paratrain.parallel.parallelize import parallelize
 
     runtime = Runtime(env=detect(os.environ), device=torch.device("cpu"), backend="gloo")
     config = TrainConfig(grad_accum=grad_accum, bucket_cap_mb=2.0)
@@ -113,7 +113,7 @@ def _compiled_steps(rank, world_size, compiled, grad_accum):
     from paratrain.config import TrainConfig
     from paratrain.distributed.env import detect
     from paratrain.distributed.runtime import Runtime
-    from paratrain.parallel import parallelize
+    from paratrain.parallel.parallelize import parallelize
 
     runtime = Runtime(env=detect(os.environ), device=torch.device("cpu"), backend="gloo")
     config = TrainConfig(compile=compiled, grad_accum=grad_accum)

@@ -37,7 +37,7 @@ def _runtime() -> Runtime:
 
 def _initial_weights(rank, world, weights):
     from paratrain.models.registry import build_model
-    from paratrain.parallel import parallelize
+    from paratrain.parallel.parallelize import parallelize
 
     torch.manual_seed(1234 + rank)  # ranks arrive with different RNG states
     cfg = TrainConfig(model="resnet18", weights=weights, image_size=32)

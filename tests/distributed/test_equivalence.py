@@ -13,7 +13,7 @@ from paratrain.distributed.env import detect
 from paratrain.distributed.runtime import Runtime
 from paratrain.engine.recipe import build_optimizer
 from paratrain.models.registry import build_model, logits_of
-from paratrain.parallel import parallelize
+from paratrain.parallel.parallelize import parallelize
 from spawn import in_single_process, run_distributed
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,8 @@ from paratrain.engine import sharded
 from paratrain.engine.checkpoint import load
 from paratrain.engine.recipe import build_optimizer
 from paratrain.models.registry import build_model
-from paratrain.parallel import parallelize, unified
+from paratrain.parallel import optim_state
+from paratrain.parallel.parallelize import parallelize
 from spawn import run_distributed
 
 pytestmark = pytest.mark.slow
@@ -80,7 +81,7 @@ def _save_fsdp(rank: int, world: int, folder: str) -> dict:
 def _load(rank: int, world: int, folder: str, strategy: str) -> dict:
     parts, optimizer = _parts(_cfg(strategy))
     state = sharded.read_state(Path(folder))
-    sharded.load_into(Path(folder), parts, optimizer, state)
+    sharded.load_into(Path(folder), parts, optimizer, state["optimizer_groups"])
     loaded = {
         "model": {k: v.clone() for k, v in parts.state_dict().items()},
         "optimizer": parts.optimizer_state_dict(optimizer),
@@ -110,14 +111,14 @@ def test_fsdp_saves_shards_and_loads_into_fsdp_pipeline_and_one_process(tmp_path
 
     consolidated = load(folder)  # one process, no process group
     for key, value in saved["model"].items():
-        torch.testing.assert_close(consolidated["model"][key], value, rtol=0, atol=0)
-    assert consolidated["optimizer"]["state"].keys() == saved["optimizer"]["state"].keys()
+        torch.testing.assert_close(consolidated.model[key], value, rtol=0, atol=0)
+    assert consolidated.optimizer["state"].keys() == saved["optimizer"]["state"].keys()
     for index, slots in saved["optimizer"]["state"].items():
         torch.testing.assert_close(
-            consolidated["optimizer"]["state"][index]["momentum_buffer"], slots["momentum_buffer"]
+            consolidated.optimizer["state"][index]["momentum_buffer"], slots["momentum_buffer"]
         )
-    assert consolidated["optimizer"]["param_groups"][0]["params"] == list(
-        range(len(unified.trainable_names(build_model(_cfg("ddp"), CLASSES))))
+    assert consolidated.optimizer["param_groups"][0]["params"] == list(
+        range(len(optim_state.trainable_names(build_model(_cfg("ddp"), CLASSES))))
     )
 
 

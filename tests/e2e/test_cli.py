@@ -106,7 +106,7 @@ def test_resume_auto_continues_at_the_next_epoch(trained):
     assert csv_lines[0].startswith("epoch,lr,train_loss,train_acc,val_loss,val_top1,val_top5")
     assert len(csv_lines) == 3
     state = torch.load(root / "runs/r1/checkpoints/last.pt", weights_only=False)
-    assert state["epoch"] == 2 and not any(k.startswith("module.") for k in state["model"])
+    assert state.progress.epoch == 2 and not any(k.startswith("module.") for k in state.model)
 
 
 def test_eval_counts_each_image_once_at_any_world_size(trained, capsys):

@@ -122,7 +122,11 @@ def test_resume_mid_epoch_is_bit_exact(data, uninterrupted):
     crashed, _ = run(root, *common, PARATRAIN_INJECT="rank=1,step=9,kind=raise")
     assert crashed.returncode != 0
     state = torch.load(root / "runs/broken/checkpoints/last.pt", weights_only=False)
-    assert (state["epoch"], state["step_in_epoch"], state["global_step"]) == (1, 2, 8)
+    assert (
+        state["progress"]["epoch"],
+        state["progress"]["step_in_epoch"],
+        state["progress"]["global_step"],
+    ) == (1, 2, 8)
     assert len(state["rng"]) == 2 and state["scaler"] is None
     resumed, _ = run(root, *common, "--resume", "auto")
     assert resumed.returncode == 0, resumed.stderr
@@ -201,7 +205,7 @@ def test_sigterm_saves_at_a_step_boundary_and_exits_143(data):
     assert code == 143, stderr
     assert "stopped by SIGTERM; checkpoint saved" in stderr
     state = torch.load(root / "runs/preempted/checkpoints/last.pt", weights_only=False)
-    assert state["global_step"] > 0 and len(state["rng"]) == 2
+    assert state["progress"]["global_step"] > 0 and len(state["rng"]) == 2
 
 
 def test_sigusr1_under_slurm_requeues_the_array_task(data, tmp_path):

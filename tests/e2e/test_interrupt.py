@@ -58,5 +58,5 @@ def test_ctrl_c_is_told_once_and_the_run_resumes_from_what_it_kept(tmp_path, npr
     assert len(told) == 1, err
     assert told[0].startswith(f"paratrain: interrupted; its last checkpoint {Path('runs/r')}")
     assert told[0].endswith("--resume runs/r continues from it")
-    reached = checkpoint.load(saved)["epoch"]
+    reached = checkpoint.load(saved).progress.epoch
     assert reached >= 1

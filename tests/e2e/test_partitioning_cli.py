@@ -94,9 +94,9 @@ def test_pipeline_prints_its_plan_and_saves_the_single_device_layout(runs):
     assert len(list(folder.glob("*.distcp"))) == 2  # each stage wrote its own shard
     state = checkpoint.load(folder)  # consolidated in memory: the single-device layout
     reference = torchvision.models.resnet18(num_classes=3)
-    assert set(state["model"]) == set(reference.state_dict())
-    assert sorted(state["optimizer"]["state"]) == list(range(len(list(reference.parameters()))))
-    assert state["world_size"] == 1 and state["processes"] == 2 and state["strategy"] == "pipeline"
+    assert set(state.model) == set(reference.state_dict())
+    assert sorted(state.optimizer["state"]) == list(range(len(list(reference.parameters()))))
+    assert state.replicas == 1 and state.processes == 2 and state.strategy == "pipeline"
 
 
 @pytest.mark.parametrize("name", ["pipe", "fsdp"])
@@ -135,9 +135,9 @@ def test_checkpoints_move_between_pipeline_fsdp_and_one_process(runs):
     folder = root / "runs/fsdp/checkpoints/last"
     assert len(list(folder.glob("*.distcp"))) == 2  # each rank wrote its own shards
     state = checkpoint.load(folder)
-    assert not any(k.startswith(("module.", "_orig_mod.", "_fsdp")) for k in state["model"])
-    momentum = state["optimizer"]["state"][0]["momentum_buffer"]
-    assert momentum.shape == state["model"]["conv1.weight"].shape  # whole, not a shard
+    assert not any(k.startswith(("module.", "_orig_mod.", "_fsdp")) for k in state.model)
+    momentum = state.optimizer["state"][0]["momentum_buffer"]
+    assert momentum.shape == state.model["conv1.weight"].shape  # whole, not a shard
 
 
 def test_split_over_cpu_devices_trains(tmp_path):

@@ -74,3 +74,70 @@ def test_a_node_joining_a_running_elastic_job_trains_with_it(tmp_path):
     worlds = {f.name: f.read_text() for f in marks.iterdir()}
     assert [first.returncode, second.returncode] == [0, 0], "\n".join(outputs)[-3000:]
     assert "2" in worlds.values(), worlds  # the workers ran again, together
+
+
+PIPELINE_DDP = textwrap.dedent(
+    """
+    import os, sys
+    import torch, torch.distributed as dist, torch.multiprocessing as mp
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.nn.parallel import DistributedDataParallel
+
+    def run(rank, port, static):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=4)
+        stage, replica = rank % 2, rank // 2  # 2 stages x 2 replicas
+        pipes = [dist.new_group([r * 2, r * 2 + 1]) for r in range(2)]
+        copies = [dist.new_group([s, s + 2]) for s in range(2)]
+        torch.manual_seed(0)
+        module = [nn.Linear(8, 16), nn.Linear(16, 4)][stage]
+        wrapped = DistributedDataParallel(module, process_group=copies[stage], static_graph=static)
+        pipe = PipelineStage(wrapped, stage, 2, torch.device("cpu"), group=pipes[replica])
+        loss = lambda out, target: nn.functional.cross_entropy(out, target)
+        schedule = ScheduleGPipe(pipe, n_microbatches=2, loss_fn=loss)
+        for step in range(2):  # the second step's forward rebuilds DDP's buckets
+            module.zero_grad()
+            torch.manual_seed(10 * step + replica)  # each copy its own batch
+            if stage == 0:
+                schedule.step(torch.randn(8, 8))
+            else:
+                schedule.step(target=torch.randint(0, 4, (8,)))
+            grad = module.weight.grad.clone()
+            copies_grads = [torch.empty_like(grad) for _ in range(2)]
+            dist.all_gather(copies_grads, grad, group=copies[stage])
+            assert torch.equal(*copies_grads), f"stage {stage}: the copies' gradients differ"
+        dist.destroy_process_group()
+
+    mp.start_processes(
+        run, args=(int(sys.argv[1]), sys.argv[2] == "static"), nprocs=4, start_method="fork"
+    )
+    """
+)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="torch 2.14.1: pipeline stages wrapped in DistributedDataParallel. With default "
+    "options a GPipe step (or 1F1B with as many micro-batches as stages: every backward "
+    "after every forward) fails the next step's forward: the reducer counted the first "
+    "step's gradients once per micro-batch (reducer.cpp, 'rebuilt parameter indices size "
+    "is not same as original model parameters size'). With static_graph=True the last "
+    "stage's copies are never averaged, silently. The stage's DDP path is "
+    "torch/distributed/pipelining/stage.py, backward_maybe_with_nosync; no upstream issue "
+    "was found to cite. paratrain shards each stage over its copies with FSDP2 instead "
+    "(parallel/pipeline.py), which the pipelining schedules drive correctly",
+)
+@pytest.mark.parametrize("graph", ["dynamic", "static"])
+def test_ddp_wrapped_pipeline_stages_average_every_copys_gradients(tmp_path, graph):
+    script = tmp_path / "pipeline_ddp.py"
+    script.write_text(PIPELINE_DDP)
+    port = 29400 + os.getpid() % 100 + (100 if graph == "static" else 0)
+    done = subprocess.run(
+        [sys.executable, str(script), str(port), graph],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]

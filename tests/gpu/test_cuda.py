@@ -59,7 +59,7 @@ def test_sync_bn_on_cuda_is_torchs_own():
 
 
 def test_auto_precision_on_cuda_is_bf16_where_the_gpu_has_it():
-    from paratrain.engine.precision import resolve
+    from paratrain.distributed.runtime import resolve_precision as resolve
 
     expected = "bf16-mixed" if torch.cuda.is_bf16_supported() else "32"
     assert resolve("auto", CUDA) == expected
@@ -73,7 +73,7 @@ def test_strategy_dp_trains_over_the_visible_gpus(tmp_path, data):
     )
     assert summary["world_size"] == 1 and summary["final"]["val_count"] == 6  # 20% of 3 x 12
     state = checkpoint.load(tmp_path / "runs/dp/checkpoints/last.pt")
-    assert not any(k.startswith("module.") for k in state["model"])  # saved unwrapped
+    assert not any(k.startswith("module.") for k in state.model)  # saved unwrapped
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
@@ -88,10 +88,10 @@ def test_a_run_on_cuda_saves_and_resumes_everything(tmp_path, data, precision):
     )
     assert first["final"]["val_count"] == 6 and math.isfinite(first["final"]["train_loss"])
     state = checkpoint.load(tmp_path / "runs/r/checkpoints/last.pt")
-    cuda_rng = state["rng"][0]["cuda"]
+    cuda_rng = state.rng[0]["cuda"]
     assert len(cuda_rng) == torch.cuda.device_count() and cuda_rng[0].dtype == torch.uint8
     if precision == "16-mixed":
-        assert state["scaler"]["scale"] > 0
+        assert state.scaler["scale"] > 0
     second = train(
         TrainConfig(
             data=str(data),
@@ -106,7 +106,7 @@ def test_a_run_on_cuda_saves_and_resumes_everything(tmp_path, data, precision):
     assert second["epochs"] == 2 and second["final"]["val_count"] == 6
     resumed = checkpoint.load(tmp_path / "runs/r/checkpoints/last.pt")
     if precision == "16-mixed":
-        assert resumed["scaler"]["_growth_tracker"] >= 0 and resumed["scaler"]["scale"] > 0
+        assert resumed.scaler["_growth_tracker"] >= 0 and resumed.scaler["scale"] > 0
 
 
 def _step_run(on_nonfinite: str = "abort", precision: str = "bf16-mixed"):
@@ -115,8 +115,9 @@ def _step_run(on_nonfinite: str = "abort", precision: str = "bf16-mixed"):
     from paratrain.engine.preempt import PreemptionGuard
     from paratrain.engine.recipe import Recipe, build_optimizer
     from paratrain.engine.state import Progress
+    from paratrain.engine.step import Stepper
     from paratrain.models.registry import create_model
-    from paratrain.parallel import ModelParts
+    from paratrain.parallel.parts import ModelParts
     from paratrain.report.tensorboard import Board
 
     torch.manual_seed(0)
@@ -135,6 +136,7 @@ def _step_run(on_nonfinite: str = "abort", precision: str = "bf16-mixed"):
         progress=Progress(totals=torch.zeros(3, dtype=torch.float64, device=CUDA)),
         control=control,
         board=Board(Path("unused"), False, 1),
+        stepper=Stepper(parts, optimizer, recipe, control),
     )
 
 
@@ -203,7 +205,7 @@ def test_jpegs_decode_on_the_gpu(tmp_path, data):
 
 
 def test_bench_on_cuda_reports_speed_and_peak_memory():
-    from paratrain.bench.step import run_bench
+    from paratrain.bench.speed import run_bench
 
     runtime = Runtime(env=DistEnv(), device=CUDA, backend=None)
     cfg = TrainConfig(model="resnet18", image_size=64, batch_size=32)

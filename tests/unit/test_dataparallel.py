@@ -23,4 +23,4 @@ def test_dp_on_cpu_is_one_clear_error(image_folder, tmp_path, capsys):
 
 def test_dp_with_nproc_is_refused(image_folder, capsys):
     assert main(["train", "--data", str(image_folder), "--strategy", "dp", "--nproc", "2"]) == 2
-    assert "drives every GPU from one process" in capsys.readouterr().err
+    assert "it drives every GPU from one process" in capsys.readouterr().err

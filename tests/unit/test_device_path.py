@@ -25,9 +25,10 @@ from paratrain.engine.precision import Precision
 from paratrain.engine.preempt import PreemptionGuard
 from paratrain.engine.recipe import Recipe
 from paratrain.engine.state import Progress
+from paratrain.engine.step import Stepper
 from paratrain.engine.trainer import train_step
 from paratrain.errors import UserError
-from paratrain.parallel import ModelParts
+from paratrain.parallel.parts import ModelParts
 from paratrain.report.tensorboard import Board
 
 
@@ -114,6 +115,7 @@ def _run(on_nonfinite: str, sync_free: bool):
         progress=Progress(),
         control=control,
         board=Board(Path("unused"), False, 1),
+        stepper=Stepper(parts, optimizer, recipe, control),
         model=model,
     )
 
@@ -153,12 +155,12 @@ def test_without_reading_back_a_nan_aborts_at_the_next_check_naming_its_step():
 
 
 def test_nproc_beyond_the_gpus_is_refused_in_one_line(monkeypatch, tmp_path):
-    from paratrain.api import check_devices
+    from paratrain.engine.preflight import check_devices
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(UserError, match="--nproc 2 needs 2 GPUs and this machine has 1"):
-        check_devices(TrainConfig(nproc=2))
-    check_devices(TrainConfig(nproc=2, device="cuda:0", backend="gloo"))  # shared, as asked
+        check_devices(TrainConfig(nproc=2), 2)
+    check_devices(TrainConfig(nproc=2, device="cuda:0", backend="gloo"), 2)  # shared, as asked
     with pytest.raises(UserError, match="--device cuda:1: this machine has 1 GPU"):
-        check_devices(TrainConfig(device="cuda:1"))
+        check_devices(TrainConfig(device="cuda:1"), 1)

@@ -11,7 +11,7 @@ from torch import nn
 
 from paratrain.errors import UserError
 from paratrain.models.registry import create_model
-from paratrain.parallel import fsdp, partition, unified
+from paratrain.parallel import fsdp, optim_state, partition
 
 
 @pytest.mark.parametrize(
@@ -155,20 +155,20 @@ def test_planning_leaves_weights_buffers_and_random_state_alone():
 
 def test_optimizer_state_round_trips_through_names_and_merges_stages():
     model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
-    names = unified.trainable_names(model)
+    names = optim_state.trainable_names(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(4, 2)).sum().backward()
     optimizer.step()
     state = optimizer.state_dict()
-    named = unified.by_name(state, names)
+    named = optim_state.by_name(state, names)
     assert set(named["state"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
-    first = unified.by_index(named, names[:2])  # a stage's share
-    second = unified.by_index(named, names[2:])
+    first = optim_state.by_index(named, names[:2])  # a stage's share
+    second = optim_state.by_index(named, names[2:])
     assert sorted(first["state"]) == [0, 1] and first["param_groups"][0]["params"] == [0, 1]
-    merged = unified.merge_named(
-        [unified.by_name(first, names[:2]), unified.by_name(second, names[2:])], names
+    merged = optim_state.merge_named(
+        [optim_state.by_name(first, names[:2]), optim_state.by_name(second, names[2:])], names
     )
-    back = unified.by_index(merged, names)
+    back = optim_state.by_index(merged, names)
     assert back["param_groups"][0]["params"] == [0, 1, 2, 3]
     for index, value in state["state"].items():
         assert torch.equal(back["state"][index]["momentum_buffer"], value["momentum_buffer"])

@@ -48,9 +48,9 @@ def test_option_trains_to_finite_loss(small_data, tmp_path, options):
     cfg, summary, state = run(small_data, tmp_path, "r", **options)
     assert math.isfinite(summary["final"]["train_loss"])
     assert summary["final"]["val_count"] == 6
-    assert state["config"] == cfg.to_dict()
+    assert state.config == cfg.to_dict()
     if cfg.opt == "adamw":
-        assert "exp_avg" in next(iter(state["optimizer"]["state"].values()))
+        assert "exp_avg" in next(iter(state.optimizer["state"].values()))
 
 
 def test_adamw_gets_its_own_defaults_unless_given(small_data):
@@ -87,17 +87,17 @@ def test_freeze_backbone_trains_only_the_head(small_data, tmp_path):
     initial = build_model(TrainConfig(**{**cfg.to_dict(), "freeze_backbone": False}), 3)
     before = initial.state_dict()
     names = [name for name, _ in initial.named_parameters()]
-    moved = {n for n in names if not torch.equal(state["model"][n], before[n])}
+    moved = {n for n in names if not torch.equal(state.model[n], before[n])}
     assert moved == {"fc.weight", "fc.bias"}
-    assert state["optimizer"]["param_groups"][0]["params"] == [0, 1]
+    assert state.optimizer["param_groups"][0]["params"] == [0, 1]
 
 
 def test_ema_is_evaluated_and_saved_beside_the_raw_weights(small_data, tmp_path, capsys):
     _, summary, state = run(small_data, tmp_path, "e", ema_decay=0.5)
     final = summary["final"]
     assert {"val_top1_ema", "val_loss_ema"} <= set(final)
-    assert state["ema"]["n_averaged"] == 3  # 18 images, batch 8: three steps
-    raw, averaged = state["model"], state["ema"]["model"]
+    assert state.ema["n_averaged"] == 3  # 18 images, batch 8: three steps
+    raw, averaged = state.model, state.ema["model"]
     assert raw.keys() == averaged.keys()
     assert not torch.equal(raw["fc.weight"], averaged["fc.weight"])
     last = str(tmp_path / "e/checkpoints/last.pt")

@@ -23,7 +23,8 @@ from paratrain.data.transforms import Augment, eval_transform, train_transform
 from paratrain.engine.recipe import build_optimizer, param_groups
 from paratrain.errors import UserError
 from paratrain.models.registry import create_model
-from paratrain.parallel import ModelParts, unified
+from paratrain.parallel import optim_state
+from paratrain.parallel.parts import ModelParts
 
 POLICIES = ["trivialaugment", "randaugment", "autoaugment", "augmix"]
 
@@ -145,7 +146,7 @@ def test_the_no_decay_groups_hold_exactly_the_norm_weights_and_the_biases():
     assert norm == bn and bias == {"fc.bias"}
     assert decay == set(names.values()) - bn - {"fc.bias"}
     assert (groups["norm"]["weight_decay"], groups["decay"]["weight_decay"]) == (0.0, 1e-4)
-    order = unified.trainable_names(model, split=True)  # every strategy indexes alike
+    order = optim_state.trainable_names(model, split=True)  # every strategy indexes alike
     assert order == [names[id(p)] for g in groups.values() for p in g["params"]]
 
 

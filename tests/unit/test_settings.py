@@ -12,7 +12,7 @@ import yaml
 
 from imagefolders import make_image_folder
 from paratrain.cli import COMMANDS, build_parser, flag_reference, main, resolve_train_args
-from paratrain.config import PRESETS, STRATEGY_NAMES, TrainConfig, resolve_train, settings
+from paratrain.config import PRESETS, TrainConfig, resolve_train, settings
 from paratrain.config.schema import describe
 from paratrain.engine.schedule import describe_schedule
 from paratrain.errors import UserError
@@ -79,7 +79,12 @@ def test_choices_and_defaults_are_written_once():
 
 
 def test_strategy_names_are_the_strategy_table():
-    assert set(STRATEGY_NAMES) == set(STRATEGIES)
+    from paratrain.parallel import get
+
+    strategy = next(s for s in settings(TrainConfig) if s.name == "strategy")
+    assert strategy.rule.options == tuple(STRATEGIES)  # --strategy takes the registry's names
+    for name in STRATEGIES:
+        assert get(name).name == name  # each module holds the strategy of its own name
 
 
 @pytest.fixture(scope="module")
@@ -261,14 +266,19 @@ def test_more_cpu_processes_than_cores_is_warned_in_the_dry_run(folder, monkeypa
 
 
 def test_norm_batch_counts_the_images_one_batchnorm_sees():
-    cfg = TrainConfig(batch_size=8)
-    assert cfg.norm_batch(world=4) == 8
-    assert TrainConfig(batch_size=8, sync_bn=True).norm_batch(world=4) == 32
-    pipeline = TrainConfig(batch_size=8, strategy="pipeline", microbatches=4)
-    assert pipeline.norm_batch(world=2) == 2
-    assert TrainConfig(batch_size=5, strategy="dp").norm_batch(world=1, gpus=2) == 2  # 3 + 2
-    assert TrainConfig(batch_size=7, strategy="dp").norm_batch(world=1, gpus=3) == 1  # 3+3+1
-    assert TrainConfig(batch_size="auto").norm_batch(world=1) == 2  # decided later
+    from paratrain.parallel import get
+
+    def seen(world: int, gpus: int = 0, **values) -> int:
+        cfg = TrainConfig(**values)
+        return get(cfg.strategy).norm_batch(cfg, world, gpus)
+
+    assert seen(4, batch_size=8) == 8
+    assert seen(4, batch_size=8, sync_bn=True) == 32
+    assert seen(4, batch_size=8, sync_bn=True, strategy="fsdp") == 32
+    assert seen(2, batch_size=8, strategy="pipeline", microbatches=4) == 2
+    assert seen(1, 2, batch_size=5, strategy="dp") == 2  # 3 + 2
+    assert seen(1, 3, batch_size=7, strategy="dp") == 1  # 3+3+1
+    assert seen(1, batch_size="auto") == 2  # decided later
 
 
 def test_messages_say_what_is_allowed():

@@ -13,14 +13,16 @@ from torch import nn
 from paratrain import TrainConfig, train
 from paratrain.distributed.env import DistEnv
 from paratrain.distributed.runtime import Runtime
+from paratrain.distributed.runtime import resolve_precision as resolve
 from paratrain.engine.control import StepControl
-from paratrain.engine.precision import Precision, resolve
+from paratrain.engine.precision import Precision
 from paratrain.engine.preempt import PreemptionGuard
 from paratrain.engine.recipe import Recipe
 from paratrain.engine.state import Progress
+from paratrain.engine.step import Stepper
 from paratrain.engine.trainer import train_step
 from paratrain.errors import UserError
-from paratrain.parallel import ModelParts
+from paratrain.parallel.parts import ModelParts
 from paratrain.report.tensorboard import Board
 
 AMX = "processor : 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_tile amx_bf16\n"
@@ -86,6 +88,7 @@ def _one_step(model, batches, accum, clip=None):
         progress=Progress(),
         control=control,
         board=Board(Path("unused"), False, 1),
+        stepper=Stepper(parts, optimizer, recipe, control),
     )
     train_step(run, iter(batches), len(batches))
     assert run.progress.global_step == 1
@@ -121,7 +124,7 @@ def test_bench_json_has_every_field(capsys):
     import dataclasses
     import json
 
-    from paratrain.bench.step import BenchResult
+    from paratrain.bench.speed import BenchResult
     from paratrain.cli import main
 
     argv = ["bench", "--image-size", "16", "--batch-size", "4", "--steps", "3", "--warmup", "1"]
@@ -141,7 +144,7 @@ def test_bench_json_has_every_field(capsys):
 def test_memory_format_auto_is_channels_last_for_conv_models():
     from torchvision.models import resnet18, vit_b_16
 
-    from paratrain.parallel import memory_format_for
+    from paratrain.parallel.parts import memory_format_for
 
     conv, cuda, cpu = resnet18(num_classes=3), torch.device("cuda"), torch.device("cpu")
     assert memory_format_for(conv, "auto", cuda) == torch.channels_last
@@ -170,7 +173,7 @@ def test_channels_last_trains_and_keeps_the_format(image_folder, tmp_path):
     )
     assert math.isfinite(summary["final"]["train_loss"])
     state = checkpoint.load(tmp_path / "cl/checkpoints/last.pt")
-    assert state["model"]["conv1.weight"].is_contiguous(memory_format=torch.channels_last)
+    assert state.model["conv1.weight"].is_contiguous(memory_format=torch.channels_last)
 
 
 def test_bf16_on_cpu_runs_strided_convolutions_over_one_pixel_in_fp32():

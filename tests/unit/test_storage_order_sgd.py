@@ -9,7 +9,7 @@ import torch
 import torchvision
 
 from paratrain.engine.recipe import StorageOrderSGD
-from paratrain.parallel import ModelParts
+from paratrain.parallel.parts import ModelParts
 
 
 def _model() -> torch.nn.Module:

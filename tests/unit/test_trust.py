@@ -31,10 +31,11 @@ from paratrain.engine.precision import Precision
 from paratrain.engine.preempt import PreemptionGuard
 from paratrain.engine.recipe import Recipe
 from paratrain.engine.state import Progress
+from paratrain.engine.step import Stepper
 from paratrain.engine.trainer import train_step
 from paratrain.errors import UserError
 from paratrain.models.registry import create_model, freeze_backbone
-from paratrain.parallel import ModelParts
+from paratrain.parallel.parts import ModelParts
 from paratrain.report.tensorboard import Board
 
 FAST = dict(model="resnet18", image_size=16, batch_size=4, workers=0, precision="32")
@@ -137,8 +138,8 @@ def test_resume_with_other_rates_and_more_epochs_says_what_changed(trained, caps
     assert "settings changed since the checkpoint:" in out
     assert "lr 0.01 -> 0.02" in out and "weight_decay 0.005 -> 0.01" in out
     state = checkpoint.load(root / "runs/more/checkpoints/last.pt")
-    assert state["optimizer"]["param_groups"][0]["weight_decay"] == 0.01
-    assert state["epoch"] == 2
+    assert state.optimizer["param_groups"][0]["weight_decay"] == 0.01
+    assert state.progress.epoch == 2
 
 
 def test_a_run_that_exists_is_not_overwritten(trained):
@@ -158,7 +159,7 @@ def test_a_run_directory_resumes_from_its_last_checkpoint(trained):
     assert f"resume: {last} at epoch 2" in out
     code, _, err = _run(argv)
     assert code == 0, err
-    assert checkpoint.load(root / "runs/from-dir/checkpoints/last.pt")["epoch"] == 2
+    assert checkpoint.load(root / "runs/from-dir/checkpoints/last.pt").progress.epoch == 2
     summary = json.loads((root / "runs/from-dir/summary.json").read_text())
     assert summary["epochs"] == 2  # the epoch reached, though this folder trained one
     code, _, err = _run(["eval", "--checkpoint", str(run_dir), "--data", str(data)])
@@ -225,7 +226,7 @@ def test_resuming_mid_epoch_with_another_batch_neither_skips_nor_repeats(tmp_pat
     monkeypatch.delenv("PARATRAIN_INJECT")
     seen.clear()
     state = checkpoint.load(tmp_path / "runs/m/checkpoints/last.pt")
-    assert (state["consumed"], state["step_in_epoch"]) == (8, 2)
+    assert (state.progress.consumed, state.progress.step_in_epoch) == (8, 2)
     for key, value in (("seed", 7), ("ra_reps", 2)):  # they make the epoch's order
         with pytest.raises(UserError, match="the checkpoint's epoch is part done under --"):
             train(TrainConfig(**{**common, key: value, "resume": "auto"}))
@@ -284,9 +285,9 @@ def test_frozen_layers_keep_their_batchnorm_statistics():
 def test_eval_runs_on_this_machines_device_not_the_training_runs(trained, tmp_path):
     root, data, last = trained
     state = checkpoint.load(last)
-    state["config"] = {**state["config"], "device": "cuda", "backend": "nccl"}
+    state.config = {**state.config, "device": "cuda", "backend": "nccl"}
     moved = tmp_path / "from-a-gpu.pt"
-    checkpoint.save_atomic(state, moved)
+    checkpoint.save_atomic(state.to_dict(), moved)
     code, out, err = _run(["eval", "--checkpoint", str(moved), "--data", str(data), "--json"])
     assert code == 0, err
     code, _, err = _run(["eval", "--checkpoint", str(moved), "--device", "cpu", "--json"])
@@ -311,6 +312,7 @@ def test_a_real_nonfinite_step_under_skip_leaves_everything_as_it_was():
         progress=Progress(),
         control=control,
         board=Board(Path("unused"), False, 1),
+        stepper=Stepper(parts, optimizer, recipe, control),
     )
     labels = torch.randint(0, 3, (4,))
     good = [(torch.randn(4, 3, 8, 8), labels)]
@@ -334,12 +336,15 @@ def test_checkpoints_saved_elsewhere_are_told_apart_in_one_line(trained, tmp_pat
     files = {
         "bare": ({"model": model}, "is not a paratrain checkpoint (no 'config', 'classes')"),
         "odd": (
-            {**saved, "model": {**model, "fc.weight": torch.zeros(5, 512), "extra": torch.ones(1)}},
+            {
+                **saved.to_dict(),
+                "model": {**model, "fc.weight": torch.zeros(5, 512), "extra": torch.ones(1)},
+            },
             "1 not in the model (extra); 1 of another shape (file vs model) "
             "(fc.weight (5, 512) vs (3, 512))",
         ),
         "no-state": (
-            {"model": model, "config": saved["config"], "classes": saved["classes"]},
+            {"model": model, "config": saved.config, "classes": saved.classes},
             None,  # weights alone: eval, predict and export take it; resume does not
         ),
     }
@@ -361,7 +366,7 @@ def test_checkpoints_saved_elsewhere_are_told_apart_in_one_line(trained, tmp_pat
         code, _, err = _run(resume)
         assert code == 2
         if told is None:
-            assert "no training state (no 'optimizer', 'epoch'" in _one_error_line(err)
+            assert "no training state (no 'optimizer'" in _one_error_line(err)
 
 
 def test_resuming_a_finished_run_trains_nothing_and_rewrites_nothing(trained):
@@ -375,7 +380,7 @@ def test_resuming_a_finished_run_trains_nothing_and_rewrites_nothing(trained):
     assert code == 0, err
     assert "1 of 1 epoch(s) already trained, nothing left to train" in out + err
     assert {name: (run_dir / name).read_bytes() for name in before} == before
-    assert checkpoint.load(last)["epoch"] == 1
+    assert checkpoint.load(last).progress.epoch == 1
 
 
 def test_a_checkpoint_that_cannot_be_written_is_one_line_and_keeps_the_old_one(tmp_path):

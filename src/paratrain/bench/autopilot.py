@@ -29,11 +29,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from paratrain.config import TrainConfig
 from paratrain.data.builtin import default_cache_dir
 from paratrain.distributed.runtime import runs_on_cuda, usable_cores
+from paratrain.engine.step import Stepper, train_step
 from paratrain.errors import UserError
 
 DEFAULT_BATCH = 16  # the batch --lr is given for when --batch-size is auto
@@ -265,27 +265,44 @@ def choose_batch(cfg: TrainConfig, strategy: str, nproc: int, memory: int, where
 def _data_cap(cfg: TrainConfig) -> int:
     """The largest batch that leaves MIN_STEPS steps an epoch of the training images."""
     from paratrain.data.folder import build_split
+    from paratrain.parallel import get as strategy_of
 
     images = len(build_split(cfg.data, cfg.val_fraction, cfg.split_seed).train)
-    return round_batch(images / (max(cfg.replicas(cfg.nproc), 1) * MIN_STEPS * cfg.grad_accum))
+    replicas = strategy_of(cfg.strategy).layout(cfg, cfg.processes).dp_size
+    return round_batch(images / (max(replicas, 1) * MIN_STEPS * cfg.grad_accum))
 
 
 def _cuda_step(cfg: TrainConfig, batch: int) -> None:
-    """One training step at ``batch`` on the GPU, on a model of its own, freed after."""
-    from paratrain.models.registry import create_model
-
+    """One training step at ``batch`` on the GPU, the training loop's own (engine/step.py),
+    on a model of its own, freed after."""
     device = torch.device("cuda", torch.cuda.current_device())
-    model = create_model(cfg.model, 10, cfg.train_size).to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
+    stepper = _one_process_stepper(replace(cfg, batch_size=batch), device, classes=10)
+    images = torch.randn(batch, 3, cfg.train_size, cfg.train_size, device=device)
+    labels = torch.randint(0, 10, (batch,), device=device)
     try:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            x = torch.randn(batch, 3, cfg.train_size, cfg.train_size, device=device)
-            loss = model(x).float().logsumexp(1).mean()
-        loss.backward()
-        optimizer.step()
+        train_step(stepper, [(images, labels)], 1)
         torch.cuda.synchronize(device)
     finally:
-        del model, optimizer
+        del stepper
+
+
+def _one_process_stepper(cfg: TrainConfig, device: torch.device, classes: int) -> Stepper:
+    """The run's model, optimizer and recipe in this one process on ``device``."""
+    from paratrain.distributed.env import DistEnv
+    from paratrain.distributed.runtime import Runtime
+    from paratrain.engine import precision as precision_module
+    from paratrain.engine.recipe import build_optimizer, build_recipe
+    from paratrain.models.registry import build_model
+    from paratrain.parallel.parts import ModelParts, memory_format_for
+
+    runtime = Runtime(env=DistEnv(), device=device, backend=None)
+    model = build_model(cfg, classes)
+    fmt = memory_format_for(model, cfg.memory_format, device)
+    parts = ModelParts([model.to(device, memory_format=fmt)], memory_format=fmt)
+    precision = precision_module.build(cfg, runtime)
+    recipe = build_recipe(cfg, parts, classes, precision)
+    precision.prepare(parts)
+    return Stepper(parts, build_optimizer(parts, cfg, 1), recipe)
 
 
 # ------------------------------------------------------------------ learning rate
@@ -329,52 +346,44 @@ def pick_lr(
 
 
 def range_test(cfg: TrainConfig, steps: int, plot: Path | None, say) -> Choice:
-    """The sweep on this process: the configured model, optimizer and images, the rate
-    from RANGE[0] to RANGE[1] exponentially over ``steps`` steps (seeded: repeatable)."""
+    """The sweep on this process: the run's model, optimizer, recipe and images, one
+    step (engine/step.py) at a time, the rate from RANGE[0] to RANGE[1] exponentially over
+    ``steps`` steps (seeded: repeatable)."""
     from torch.utils.data import DataLoader
 
     from paratrain.data.folder import ImageSamples, build_split
     from paratrain.data.transforms import Augment, train_transform
-    from paratrain.engine.recipe import build_optimizer
-    from paratrain.models.registry import build_model
-    from paratrain.parallel import ModelParts
 
     split = build_split(cfg.data, cfg.val_fraction, cfg.split_seed)
-    sweep = replace(cfg, lr=1.0, lr_scaling="none", nproc=1)
+    sweep = replace(cfg, lr=1.0, lr_scaling="none", nproc=1, ema_decay=None)
     torch.manual_seed(cfg.seed)
-    model = build_model(sweep, len(split.classes))
-    parts = ModelParts([model])
-    optimizer = build_optimizer(parts, sweep, 1)
+    stepper = _one_process_stepper(sweep, torch.device("cpu"), len(split.classes))
     generator = torch.Generator().manual_seed(cfg.seed)
     data = ImageSamples(split.train, train_transform(Augment.of(cfg)))
     loader = DataLoader(
         data,
-        batch_size=cfg.batch_size,
+        batch_size=cfg.batch,
         shuffle=True,
         generator=generator,
         num_workers=0,
-        drop_last=len(data) > cfg.batch_size,
+        drop_last=len(data) > cfg.batch,
     )
-    criterion = nn.CrossEntropyLoss()
     lrs, losses = [], []
     ratio = (RANGE[1] / RANGE[0]) ** (1 / max(steps - 1, 1))
     batches = iter(loader)
-    model.train()
+    stepper.parts.train()
     for step in range(steps):
         try:
-            images, labels = next(batches)
+            batch = next(batches)
         except StopIteration:
             batches = iter(loader)
-            images, labels = next(batches)
+            batch = next(batches)
         lr = RANGE[0] * ratio**step
-        for group in optimizer.param_groups:
+        for group in stepper.optimizer.param_groups:
             group["lr"] = lr
-        loss = criterion(model(images), labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        result = train_step(stepper, [batch], 1)
         lrs.append(lr)
-        losses.append(float(loss.detach()))
+        losses.append(float(result.sums[0] / result.sums[2]))
         if not math.isfinite(losses[-1]) or losses[-1] > 4 * min(losses):
             break
     chosen, steepest = pick_lr(lrs, losses)

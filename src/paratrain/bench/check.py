@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import socket
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from paratrain.config import CheckOptions
 from paratrain.distributed import comm
+from paratrain.distributed.env import DistEnv
 from paratrain.distributed.runtime import Runtime
 from paratrain.parallel.sync_batchnorm import SyncBatchNorm
 
@@ -144,3 +147,39 @@ def _bandwidth(runtime: Runtime, size_mb: int) -> Row:
         True,
         f"{seconds * 1e3:.2f} ms, algorithm {algorithm:.2f} GB/s, bus {bus:.2f} GB/s",
     )
+
+
+def check_worker(opts: CheckOptions, env: DistEnv, say: Callable[[str], object]) -> int:
+    """This process's share of `paratrain check`; 0 when every check passed."""
+    from paratrain.distributed.runtime import distributed
+
+    with distributed(env, opts.device, opts.backend, opts.timeout) as runtime:
+        if not runtime.backend:  # one process still exercises the collectives
+            return _alone(runtime, opts.timeout, say)
+        rows = run_checks(runtime)
+    if env.is_main:
+        say(format_table(rows))
+    return 0 if all(r.ok for r in rows) else 1
+
+
+def _alone(runtime: Runtime, timeout_s: float, say: Callable[[str], object]) -> int:
+    """One process: a process group of one on an in-memory store, so the collectives
+    still run."""
+    import datetime
+
+    from paratrain.distributed.runtime import choose_backend
+
+    backend = choose_backend(runtime.device)
+    dist.init_process_group(
+        backend,
+        store=dist.HashStore(),
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    try:
+        rows = run_checks(Runtime(env=runtime.env, device=runtime.device, backend=backend))
+    finally:
+        dist.destroy_process_group()
+    say(format_table(rows))
+    return 0 if all(r.ok for r in rows) else 1

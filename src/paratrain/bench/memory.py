@@ -7,11 +7,9 @@ The estimate, per device, for fp32 training:
   batch of 2 (partition.profile) and scaled linearly to the batch, plus the largest
   unit's activations again as backward's workspace (the gradient flowing through it).
 
-Strategies divide these differently: ddp holds everything on every device; fsdp divides
-P, gradients and optimizer state by N but gathers a block whole for its compute and the
-next one ahead (the two largest blocks are counted); split and pipeline give each device
-one stage's weights and that stage's activations — all of the batch for split and GPipe, at most P - s micro-batches in flight
-on stage s under 1F1B.
+Each strategy divides these its own way (its ``memory``, parallel/<name>.py): the whole
+model on every device, 1/N of every tensor plus the blocks gathered for compute, or one
+stage's weights and that stage's activations.
 
 Measured, to check it: :func:`peak_rss` reads the process's peak resident memory
 (VmHWM) around a training step, reset first through /proc/self/clear_refs.
@@ -21,41 +19,19 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from paratrain.config import PlanOptions, TrainConfig
 from paratrain.errors import UserError
-from paratrain.parallel import fsdp, partition
+from paratrain.parallel import STRATEGIES, partition
+from paratrain.parallel import get as strategy_of
+from paratrain.parallel.base import DeviceMemory, MemoryProfile
 
 PROFILE_BATCH = 2
-ORDER = ("ddp", "fsdp", "pipeline", "split")  # fastest first, where the model fits
-WHY = {
-    "ddp": "the whole model on every device: no parameter traffic, and the gradient "
-    "all-reduce overlaps the backward pass",
-    "fsdp": "parameters, gradients and optimizer state sharded N ways; each block's "
-    "parameters are all-gathered for its forward and backward (about 1.5x DDP's traffic)",
-    "pipeline": "one stage per device, micro-batches in flight; the pipeline's fill and "
-    "drain leave each device idle (P-1)/(M+P-1) of the time",
-    "split": "one stage per device in one process: only one device computes at a time",
-}
-
-
-@dataclass
-class DeviceMemory:
-    strategy: str
-    parameters: int
-    gradients: int
-    optimizer: int
-    activations: int
-    detail: str = ""
-
-    @property
-    def total(self) -> int:
-        """Bytes per device in all."""
-        return self.parameters + self.gradients + self.optimizer + self.activations
 
 
 def parse_size(text: str) -> int:
@@ -81,80 +57,28 @@ def estimate(
     schedule: str = "1f1b",
     model_name: str = "model",
 ) -> list[DeviceMemory]:
-    """The most any one device needs, for each strategy at ``devices`` devices."""
+    """The most any one device needs, for each strategy at ``devices`` devices (each
+    strategy's own estimate, parallel/<name>.py), fastest first."""
     sample = partition.sample_images(image_size, PROFILE_BATCH)
     traced, starts = partition.plan_stages(model, devices, sample, model_name=model_name)
-    scale = batch / PROFILE_BATCH
-    units = traced.units
-    params = sum(u.parameter_bytes for u in units)
-    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    saved = sum(u.activation_bytes for u in units) * scale
-    workspace = max(u.activation_bytes for u in units) * scale
-    rows = [
-        DeviceMemory(
-            "ddp",
-            params,
-            trainable,
-            slots * trainable,
-            int(saved + workspace),
-            f"batch {batch} per device",
-        ),
-    ]
-    gathered = sum(sorted((_bytes(b) for b in fsdp.blocks(model)), reverse=True)[:2])
-    sharded = lambda n: n // devices  # noqa: E731
-    rows.append(
-        DeviceMemory(
-            "fsdp",
-            sharded(params) + gathered,
-            sharded(trainable),
-            sharded(slots * trainable),
-            int(saved + workspace),
-            f"1/{devices} of each tensor, plus the two largest blocks gathered whole "
-            "(one computing, one prefetched)",
-        )
+    profile = MemoryProfile(
+        model, traced, starts, batch, PROFILE_BATCH, devices, slots, microbatches, schedule
     )
-    stages = partition.stage_units(traced, starts)
-    for strategy in ("pipeline", "split"):
-        worst = None
-        for index, stage in enumerate(stages):
-            weights = sum(u.parameter_bytes for u in stage)
-            acts = sum(u.activation_bytes for u in stage) * scale
-            if strategy == "pipeline" and schedule == "1f1b":
-                acts *= min(microbatches, len(stages) - index) / microbatches
-            space = max(u.activation_bytes for u in stage) * scale
-            if strategy == "pipeline":
-                space /= microbatches
-            row = DeviceMemory(
-                strategy,
-                weights,
-                weights,
-                slots * weights,
-                int(acts + space),
-                f"stage {index} of {len(stages)} is the largest",
-            )
-            if worst is None or row.total > worst.total:
-                worst = row
-        if strategy == "pipeline":
-            worst.detail += f", {microbatches} micro-batches, {schedule}"
-        rows.append(worst)
-    return rows
-
-
-def _bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+    rows = [row for name in STRATEGIES if (row := strategy_of(name).memory(profile)) is not None]
+    return sorted(rows, key=lambda row: strategy_of(row.strategy).speed_order)
 
 
 def fits(row: DeviceMemory, device_memory: int, devices: int) -> bool:
-    """Within the device's memory, and possible there (one device: only ddp's layout)."""
-    return row.total <= device_memory and (devices > 1 or row.strategy == "ddp")
+    """Within the device's memory, and possible there (one device: a whole model)."""
+    return row.total <= device_memory and devices >= strategy_of(row.strategy).min_devices
 
 
 def recommend(rows: list[DeviceMemory], device_memory: int, devices: int) -> tuple[str | None, str]:
-    """The fastest strategy that fits ``device_memory`` (in the order of ORDER) and why; where none fits, the one that needs least."""
-    fitting = {r.strategy for r in rows if fits(r, device_memory, devices)}
-    for strategy in ORDER:
-        if strategy in fitting:
-            return strategy, WHY[strategy]
+    """The fastest strategy that fits ``device_memory`` (rows come fastest first) and
+    why; where none fits, the one that needs least."""
+    for row in rows:
+        if fits(row, device_memory, devices):
+            return row.strategy, strategy_of(row.strategy).why
     least = min(rows, key=lambda r: r.total)
     return None, (
         f"nothing fits {_gib(device_memory)} per device; the least is {least.strategy} at "
@@ -183,8 +107,9 @@ def format_plan(
     ]
     for r in rows:
         verdict = "yes" if fits(r, device_memory, devices) else "no"
-        if devices < 2 and r.strategy != "ddp":
-            verdict = "no (needs 2+ devices)"
+        needs = strategy_of(r.strategy).min_devices
+        if devices < needs:
+            verdict = f"no (needs {needs}+ devices)"
         lines.append(
             f"{r.strategy:<9} {_mib(r.parameters)} {_mib(r.gradients)} {_mib(r.optimizer)} "
             f"{_mib(r.activations)} {_gib(r.total):>10}  {verdict}  ({r.detail})"
@@ -258,3 +183,39 @@ def measure_training_peak(
             optimizer.step()
 
     return peak_rss(train)
+
+
+def plan(cfg: TrainConfig, opts: PlanOptions) -> tuple[dict, str]:
+    """`paratrain plan`: the estimate as a dict (--json) and as the table, for the model
+    profiled once on the CPU."""
+    from paratrain.models.registry import create_model
+
+    limit = parse_size(opts.device_memory or "")
+    torch.manual_seed(0)
+    net = create_model(cfg.model, opts.classes, cfg.image_size)
+    rows = estimate(
+        net,
+        cfg.image_size,
+        cfg.batch,
+        opts.devices,
+        partition.optimizer_slots(cfg.opt, cfg.momentum),
+        cfg.microbatches,
+        cfg.schedule,
+        model_name=cfg.model,
+    )
+    choice, why = recommend(rows, limit, opts.devices)
+    result = {
+        "model": cfg.model,
+        "image_size": cfg.image_size,
+        "batch_size": cfg.batch,
+        "devices": opts.devices,
+        "device_memory": limit,
+        "rows": as_dict(rows),
+        "recommended": choice,
+        "why": why,
+    }
+    heading = (
+        f"{cfg.model} at {cfg.image_size}px, batch {cfg.batch} per device, "
+        f"{cfg.opt}, fp32, {opts.devices} device(s) of {opts.device_memory}:"
+    )
+    return result, format_plan(rows, limit, opts.devices, choice, why, heading)

@@ -131,7 +131,7 @@ def measure(
     """Run every measurement; returns (profile, measured rows, all-reduce samples)."""
     import torch
 
-    from paratrain.bench.step import gradient_order, run_bench
+    from paratrain.bench.speed import gradient_order, run_bench
     from paratrain.distributed.env import detect
     from paratrain.distributed.runtime import distributed
 

@@ -26,7 +26,6 @@ from paratrain.config.commands import (
 from paratrain.config.schema import build, read_yaml, setting, settings, to_argv
 from paratrain.config.train import (
     PRESETS,
-    STRATEGY_NAMES,
     TrainConfig,
     preset_notes,
     resolve_train,
@@ -38,7 +37,6 @@ __all__ = [
     "PLAN_SETTINGS",
     "PRESETS",
     "STEP_SETTINGS",
-    "STRATEGY_NAMES",
     "BenchOptions",
     "CheckOptions",
     "EvalOptions",

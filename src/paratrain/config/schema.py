@@ -15,7 +15,7 @@ import math
 import re
 import types
 import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,42 @@ class Rule:
     nargs: str | None = None  # for positional lists ("+", "?")
     metavar: str | None = None
     hidden: bool = False  # internal: not in --help nor in the README's tables
+    # choices kept by another package, as "module:attribute" (a mapping of name to its
+    # one-line summary, or a sequence of names): --strategy's registry, parallel/__init__
+    choices_from: str | None = None
+    # on --resume: "told" (may change; said), "quiet" (may change unremarked), "fixed"
+    # (refused: resume_why says why), "fixed_mid_epoch" (refused inside an epoch: it
+    # makes the epoch's order)
+    resume: str = "told"
+    resume_why: str = ""
+    short: str | None = None  # a one-letter flag besides the long one (-b)
+    aliases: tuple[str, ...] = ()  # other long flags for the same setting
+
+    @property
+    def options(self) -> tuple[str, ...] | None:
+        """The accepted words: ``choices``, or those of ``choices_from``."""
+        if self.choices_from is None:
+            return self.choices
+        return tuple(_provided(self.choices_from))
+
+    @property
+    def option_help(self) -> str:
+        """Each word and what it means, where ``choices_from`` says."""
+        if self.choices_from is None:
+            return ""
+        provided = _provided(self.choices_from)
+        if not isinstance(provided, Mapping):
+            return ""
+        return "; ".join(f"{name}: {summary}" for name, summary in provided.items())
+
+
+def _provided(path: str) -> Mapping[str, str] | Sequence[str]:
+    """What "module:attribute" names (imported on first use)."""
+    import importlib
+
+    module, attribute = path.split(":")
+    found: Mapping[str, str] | Sequence[str] = getattr(importlib.import_module(module), attribute)
+    return found
 
 
 class Options:
@@ -85,9 +121,18 @@ class Setting:
         """The command-line spelling: --image-size for image_size; a positional's own name."""
         return self.name if self.rule.positional else "--" + self.name.replace("_", "-")
 
+    @property
+    def flags(self) -> list[str]:
+        """Every spelling on the command line: the short flag, the long one, aliases."""
+        if self.rule.positional:
+            return [self.name]
+        return [*([self.rule.short] if self.rule.short else []), self.flag, *self.rule.aliases]
+
     def help_text(self) -> str:
         """The help line, the default appended from the declaration (never written into the help by hand)."""
         text = self.rule.help
+        if self.rule.option_help:
+            text = f"{self.rule.option_help}; {text}"
         if self.rule.default_text:
             return f"{text} (default: {self.rule.default_text})"
         if self.default is not None and self.default is not False and self.default not in ([], ""):
@@ -116,17 +161,26 @@ def setting_of(cls: type, name: str) -> Setting:
 
 
 def _kind(hint: Any) -> tuple[type, bool]:
-    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    """(the type of a setting's values, whether None is one): ``int | Literal["auto"]``
+    is an int that also takes the word auto (its rule says so)."""
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    options = typing.get_args(hint) if union else (hint,)
     optional = type(None) in options
-    kinds = [typing.get_origin(o) or o for o in options if o is not type(None)]
+    kinds = [
+        typing.get_origin(o) or o
+        for o in options
+        if o is not type(None) and typing.get_origin(o) is not typing.Literal
+    ]
+    if not kinds:  # only literals: words
+        return str, optional
     return kinds[0], optional
 
 
 def describe(s: Setting) -> str:
     """What a setting accepts, in words: the end of "--flag must be ..."."""
     r = s.rule
-    if r.choices is not None:
-        words = "one of " + ", ".join(r.choices)
+    if r.options is not None:
+        words = "one of " + ", ".join(r.options)
     elif r.pattern_text:
         words = r.pattern_text
     elif r.low is not None and r.high is not None:
@@ -196,7 +250,7 @@ def check_value(s: Setting, value: Any) -> None:
         raise bad
     if not value and not s.rule.empty_ok:
         raise UserError(f"{s.flag} must not be empty")
-    if s.rule.choices is not None and value not in s.rule.choices:
+    if s.rule.options is not None and value not in s.rule.options:
         raise bad
     if s.rule.pattern is not None and not re.fullmatch(s.rule.pattern, value):
         raise bad
@@ -333,6 +387,6 @@ def markdown_table(cls: type, group: str | None = None, names: tuple[str, ...] =
 def _metavar(s: Setting) -> str:
     if s.rule.metavar:
         return s.rule.metavar
-    if s.rule.choices:
-        return "|".join(s.rule.choices)
+    if s.rule.options:
+        return "|".join(s.rule.options)
     return {int: "N", float: "X"}.get(s.kind, s.name.upper())

@@ -9,20 +9,18 @@ value and every cross-field rule is checked before any work.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import yaml
 
 from paratrain.config.schema import Options, build, check_paths, coerce_all, read_yaml, setting
 from paratrain.errors import UserError
 
-STRATEGY_NAMES = ("ddp", "dp", "fsdp", "split", "pipeline")
-OPTIMIZERS = ("sgd", "adamw", "lars", "lamb")  # parallel.STRATEGIES, by name
-PARTITIONED = ("split", "pipeline", "fsdp")
+OPTIMIZERS = ("sgd", "adamw", "lars", "lamb")
+STRATEGIES = "paratrain.parallel:STRATEGIES"  # the registry of --strategy's names
 
 DEVICE = r"cpu|cuda(:\d{1,3})?"
 DEVICE_TEXT = "cpu, cuda or cuda:N"
@@ -41,6 +39,7 @@ class TrainConfig(Options):
         path="dir",
         metavar="DIR",
         default_text="the embedded digits set",
+        resume="quiet",
     )
     val_fraction: float = setting(
         0.2,
@@ -50,8 +49,18 @@ class TrainConfig(Options):
         high=1.0,
         low_open=True,
         high_open=True,
+        resume="fixed",
+        resume_why="the train/val split would change",
     )
-    split_seed: int = setting(0, "seed of the train/val split", group="data", low=0, high=2**32 - 1)
+    split_seed: int = setting(
+        0,
+        "seed of the train/val split",
+        group="data",
+        low=0,
+        high=2**32 - 1,
+        resume="fixed",
+        resume_why="the train/val split would change",
+    )
     image_size: int = setting(
         224, "training crop size in pixels", group="data", low=8, high=MAX_IMAGE_SIZE
     )
@@ -71,6 +80,7 @@ class TrainConfig(Options):
         low=0,
         high=64,
         default_text="from the cores",
+        resume="quiet",
     )
     train_crop: int | None = setting(
         None,
@@ -104,6 +114,7 @@ class TrainConfig(Options):
         "unreadable images: list them all and stop, or leave them out",
         group="data",
         choices=("error", "skip"),
+        resume="quiet",
     )
     cache: str = setting(
         "auto",
@@ -111,6 +122,7 @@ class TrainConfig(Options):
         "auto: on when it fits --cache-max-gb",
         group="data",
         choices=("auto", "on", "off"),
+        resume="quiet",
     )
     cache_max_gb: float = setting(
         4.0,
@@ -118,6 +130,7 @@ class TrainConfig(Options):
         group="data",
         low=0.0,
         low_open=True,
+        resume="quiet",
     )
     augment_on: str = setting(
         "auto",
@@ -133,6 +146,7 @@ class TrainConfig(Options):
         group="data",
         metavar="DIR",
         default_text="~/.cache/paratrain",
+        resume="quiet",
     )
     # model
     model: str = setting(
@@ -141,6 +155,8 @@ class TrainConfig(Options):
         group="model",
         pattern=r"[A-Za-z0-9_./-]+",
         pattern_text="a model name (see `paratrain models`)",
+        resume="fixed",
+        resume_why="its weights belong to another architecture",
     )
     weights: str | None = setting(
         None,
@@ -148,18 +164,24 @@ class TrainConfig(Options):
         group="model",
         path="file",
         metavar="FILE",
+        resume="quiet",
     )
     weights_strict: bool = setting(
-        False, "any key or shape mismatch in --weights is an error", group="model"
+        False,
+        "any key or shape mismatch in --weights is an error",
+        group="model",
+        resume="quiet",
     )
     freeze_backbone: bool = setting(
         False,
         "train only the classifier head (fc / classifier / head); use with --weights",
         group="model",
+        resume="fixed",
+        resume_why="its optimizer state covers other parameters",
     )
     # optimisation
     epochs: int = setting(10, "passes over the training images", group="optimisation", low=1)
-    batch_size: int = setting(
+    batch_size: int | Literal["auto"] = setting(
         16,
         "per process; the global batch is this x world size; auto: the largest that fits the "
         "device's memory (a multiple of 8), --lr scaled with it from batch 16",
@@ -167,7 +189,7 @@ class TrainConfig(Options):
         low=1,
         auto=True,
     )
-    lr: float = setting(
+    lr: float | Literal["auto"] = setting(
         0.01,
         "peak learning rate for one process (scaled with --lr-scaling); auto: a range test "
         "picks it (its curve in the run folder)",
@@ -227,7 +249,12 @@ class TrainConfig(Options):
         high=1.0,
     )
     seed: int = setting(
-        0, "seed of weights and sampling", group="optimisation", low=0, high=2**32 - 1
+        0,
+        "seed of weights and sampling",
+        group="optimisation",
+        low=0,
+        high=2**32 - 1,
+        resume="fixed_mid_epoch",
     )
     # recipe
     opt: str = setting(
@@ -236,6 +263,8 @@ class TrainConfig(Options):
         "and lamb (layer-wise rates for large batches) are timm's: pip install 'paratrain[timm]'",
         group="recipe",
         choices=OPTIMIZERS,
+        resume="fixed",
+        resume_why="its optimizer state belongs to another optimizer",
     )
     norm_weight_decay: float | None = setting(
         None,
@@ -280,6 +309,7 @@ class TrainConfig(Options):
         group="recipe",
         low=1,
         high=16,
+        resume="fixed_mid_epoch",
     )
     label_smoothing: float = setting(
         0.0, "cross-entropy label smoothing", group="recipe", low=0.0, high=1.0, high_open=True
@@ -320,63 +350,78 @@ class TrainConfig(Options):
         "compress gradients for communication with a DDP hook (powersgd needs nccl)",
         group="speed",
         choices=("none", "fp16", "bf16", "powersgd"),
+        resume="quiet",
     )
     bucket_cap_mb: float = setting(
-        25.0, "DDP gradient bucket size in MB", group="speed", low=0.0, low_open=True
+        25.0,
+        "DDP gradient bucket size in MB",
+        group="speed",
+        low=0.0,
+        low_open=True,
+        resume="quiet",
     )
     memory_format: str = setting(
         "auto",
         "auto: channels_last for convolutional models",
         group="speed",
         choices=("auto", "channels_last", "contiguous"),
+        resume="quiet",
     )
     compile: bool = setting(
         False,
         "torch.compile the model (around DDP, so its graphs split at "
         "the gradient buckets); the first steps compile",
         group="speed",
+        resume="quiet",
     )
     # parallelism
-    nproc: int = setting(
+    nproc: int | Literal["auto"] = setting(
         1,
         "processes to start on this machine; auto: one per GPU, or on a CPU the layout "
         "measured faster here",
         group="parallelism",
         low=1,
         auto=True,
+        resume="quiet",
     )
     strategy: str = setting(
         "ddp",
-        "ddp: DistributedDataParallel, one process per device; dp: "
-        "legacy DataParallel, one process over every visible GPU; fsdp: "
-        "parameters, gradients and optimizer state sharded across "
-        "processes (FSDP2); split: the model's stages on --devices in one "
-        "process; pipeline: --stages processes per model, micro-batches "
-        "pipelined; auto: the fastest that fits the device memory (see `paratrain plan`)",
+        "how the model is spread over processes and devices; auto: the fastest that fits "
+        "the device memory (see `paratrain plan`)",
         group="parallelism",
-        choices=STRATEGY_NAMES,
+        choices_from=STRATEGIES,
         auto=True,
+        resume="quiet",
     )
     devices: str | None = setting(
         None,
         "split: comma-separated devices, one stage each (cuda:0,cuda:1 or cpu,cpu)",
         group="parallelism",
+        resume="quiet",
     )
-    stages: int = setting(2, "pipeline: stages per model", group="parallelism", low=2, high=1024)
+    stages: int = setting(
+        2, "pipeline: stages per model", group="parallelism", low=2, high=1024, resume="quiet"
+    )
     microbatches: int = setting(
         4,
         "pipeline: micro-batches per batch (must divide --batch-size)",
         group="parallelism",
         low=1,
+        resume="quiet",
     )
     schedule: str = setting(
-        "1f1b", "pipeline schedule", group="parallelism", choices=("gpipe", "1f1b")
+        "1f1b",
+        "pipeline schedule",
+        group="parallelism",
+        choices=("gpipe", "1f1b"),
+        resume="quiet",
     )
     split_points: str | None = setting(
         None,
         "split, pipeline: comma-separated units where stages 2.. begin (e.g. layer3,layer4)",
         group="parallelism",
         default_text="balanced from measured time",
+        resume="quiet",
     )
     sync_bn: bool = setting(
         False, "synchronise BatchNorm statistics across processes", group="parallelism"
@@ -387,6 +432,7 @@ class TrainConfig(Options):
         group="parallelism",
         choices=("gloo", "nccl"),
         default_text="nccl on CUDA, gloo on CPU",
+        resume="quiet",
     )
     device: str | None = setting(
         None,
@@ -395,6 +441,7 @@ class TrainConfig(Options):
         pattern=DEVICE,
         pattern_text=DEVICE_TEXT,
         default_text="cuda:LOCAL_RANK where there is CUDA",
+        resume="quiet",
     )
     timeout: float = setting(
         600.0,
@@ -403,6 +450,7 @@ class TrainConfig(Options):
         low=0.0,
         low_open=True,
         high=MAX_SECONDS,
+        resume="quiet",
     )
     max_restarts: int = setting(
         0,
@@ -411,6 +459,7 @@ class TrainConfig(Options):
         group="parallelism",
         low=0,
         high=1000,
+        resume="quiet",
     )
     master_port: int | None = setting(
         None,
@@ -419,14 +468,18 @@ class TrainConfig(Options):
         low=1,
         high=65535,
         default_text="a free one",
+        resume="quiet",
     )
     # failures and checkpoints
-    keep: int = setting(0, "also keep the newest K epoch checkpoints", group="checkpoints", low=0)
+    keep: int = setting(
+        0, "also keep the newest K epoch checkpoints", group="checkpoints", low=0, resume="quiet"
+    )
     save_every_steps: int = setting(
         0,
         "also save last.pt every N steps (0: at the end of epochs only)",
         group="checkpoints",
         low=0,
+        resume="quiet",
     )
     deterministic: bool = setting(
         False,
@@ -443,6 +496,7 @@ class TrainConfig(Options):
         False,
         "under SLURM: after saving on SIGUSR1/SIGTERM, requeue the job (scontrol requeue)",
         group="checkpoints",
+        resume="quiet",
     )
     preempt_grace: float = setting(
         20.0,
@@ -452,9 +506,12 @@ class TrainConfig(Options):
         low=0.0,
         low_open=True,
         high=3600,
+        resume="quiet",
     )
     # output
-    output_dir: str = setting("runs", "parent of run directories", group="output", metavar="DIR")
+    output_dir: str = setting(
+        "runs", "parent of run directories", group="output", metavar="DIR", resume="quiet"
+    )
     name: str | None = setting(
         None,
         "run directory name",
@@ -462,6 +519,7 @@ class TrainConfig(Options):
         pattern=RUN_NAME,
         pattern_text="a folder name (no path separators)",
         default_text="a timestamp",
+        resume="quiet",
     )
     resume: str | None = setting(
         None,
@@ -471,11 +529,13 @@ class TrainConfig(Options):
         path="entry",
         auto=True,
         metavar="PATH|auto",
+        resume="quiet",
     )
     tensorboard: bool = setting(
         False,
         "also write TensorBoard scalars to <run>/tensorboard (needs the tensorboard package)",
         group="output",
+        resume="quiet",
     )
 
     def check_paths(self) -> None:
@@ -483,9 +543,8 @@ class TrainConfig(Options):
         check_paths(self)
 
     def combinations(self) -> None:
-        """Rules between settings: what one strategy cannot combine with, and what it needs."""
-        nproc = None if self.nproc == "auto" else self.nproc  # auto: decided later
-        batch = None if self.batch_size == "auto" else self.batch_size
+        """Rules between settings that hold whatever the strategy (each strategy checks
+        its own: parallel/<name>.py)."""
         if self.warmup_epochs and self.warmup_steps:
             raise UserError("--warmup-epochs and --warmup-steps are alternatives; give one")
         if self.sched == "multistep" and not self.lr_milestones:
@@ -495,58 +554,21 @@ class TrainConfig(Options):
                 f"--val-resize {self.val_resize} is smaller than the validation crop "
                 f"{self.eval_crop}"
             )
-        if self.strategy == "dp" and (nproc or 1) > 1:
-            raise UserError(
-                "--strategy dp drives every GPU from one process; leave out --nproc "
-                "(or use --strategy ddp, one process per GPU)"
-            )
-        if self.strategy == "split" and (nproc or 1) > 1:
-            raise UserError(
-                "--strategy split runs in one process over --devices; leave out --nproc "
-                "(--strategy pipeline runs stages in separate processes)"
-            )
-        if self.strategy == "split":
-            self.device_list()
-        if self.strategy == "pipeline":
-            if self.schedule == "1f1b" and self.microbatches < self.stages:
-                raise UserError(
-                    f"--schedule 1f1b needs at least as many micro-batches as stages "
-                    f"(--microbatches {self.microbatches}, --stages {self.stages})"
-                )
-            if batch is not None and batch % self.microbatches:
-                raise UserError(
-                    f"--batch-size {self.batch_size} must divide into --microbatches "
-                    f"{self.microbatches} equal micro-batches"
-                )
-            if (nproc or 1) > 1:
-                check_pipeline_world(nproc, self.stages)
-        if self.strategy in PARTITIONED:
-            for flag, on in (
-                ("--ema-decay", self.ema_decay is not None),
-                ("--compile", self.compile),
-                ("--grad-compression", self.grad_compression != "none"),
-            ):
-                if on:
-                    raise UserError(f"{flag} works with --strategy ddp, not {self.strategy}")
-        if self.strategy in ("split", "pipeline") and self.sync_bn:
-            raise UserError(f"--sync-bn works with --strategy ddp or fsdp, not {self.strategy}")
-        if self.strategy in ("pipeline", "fsdp") and self.precision == "16-mixed":
-            raise UserError(
-                f"--precision 16-mixed (a GradScaler) is not supported with --strategy "
-                f"{self.strategy}; use bf16-mixed or 32"
-            )
 
-    def device_list(self) -> list[str]:
-        """--devices as a list of device names (split), each checked for its form."""
-        names = [name.strip() for name in (self.devices or "").split(",") if name.strip()]
-        if len(names) < 2:
-            raise UserError(
-                f"--strategy split needs --devices with at least 2 devices, got {self.devices!r}"
-            )
-        for name in names:
-            if not re.fullmatch(DEVICE, name):
-                raise UserError(f"--devices: not a device name: {name!r} ({DEVICE_TEXT})")
-        return names
+    @property
+    def batch(self) -> int:
+        """--batch-size once decided (auto is resolved before any run, bench/autopilot)."""
+        return concrete(self.batch_size, "batch_size")
+
+    @property
+    def processes(self) -> int:
+        """--nproc once decided."""
+        return concrete(self.nproc, "nproc")
+
+    @property
+    def rate(self) -> float:
+        """--lr once decided."""
+        return concrete(self.lr, "lr")
 
     @property
     def train_size(self) -> int:
@@ -561,33 +583,13 @@ class TrainConfig(Options):
     @property
     def eval_resize(self) -> int:
         """The validation short side before the crop (torchvision's 256/224 by default)."""
-        return self.val_resize or int(round(self.eval_crop * 256 / 224))
+        return self.val_resize or resize_for_crop(self.eval_crop)
 
     @property
     def stored_size(self) -> int:
         """The short side the decoded cache keeps: what the larger of training and
         validation needs (validation's resize, unless training crops need more)."""
-        return max(self.eval_resize, int(round(self.train_size * 256 / 224)))
-
-    def replicas(self, world: int) -> int:
-        """Model replicas among ``world`` processes: a pipeline's stages make one."""
-        return world // self.stages if self.strategy == "pipeline" else world
-
-    def norm_batch(self, world: int, gpus: int = 0) -> int:
-        """The fewest images one BatchNorm layer sees at once in training: a pipeline's
-        micro-batch, DataParallel's smallest chunk over ``gpus``, or with --sync-bn the
-        batch of all ``world`` ranks together. (--batch-size auto is decided later.)"""
-        if self.batch_size == "auto":
-            return 2
-        images = self.batch_size
-        if self.strategy == "pipeline":
-            images //= self.microbatches
-        if self.strategy == "dp" and gpus > 1:
-            chunk = -(-images // gpus)  # torch's scatter: chunks of ceil(batch / gpus)
-            images = images % chunk or chunk
-        if self.sync_bn and self.strategy in ("ddp", "fsdp"):
-            images *= world
-        return images
+        return max(self.eval_resize, resize_for_crop(self.train_size))
 
     def milestone_list(self) -> list[int]:
         return [int(m) for m in (self.lr_milestones or "").split(",") if m]
@@ -618,13 +620,22 @@ class TrainConfig(Options):
         return cls.from_dict(read_yaml(path), source=str(path))
 
 
-def check_pipeline_world(world: int, stages: int) -> None:
-    """A pipeline's processes are whole copies of its stages."""
-    if world % stages:
-        raise UserError(
-            f"--strategy pipeline: {world} process(es) do not divide into {stages} stages "
-            f"(world size = stages x replicas; e.g. --nproc {stages} or {2 * stages})"
-        )
+T = TypeVar("T", int, float)
+
+
+def concrete(value: T | Literal["auto"], name: str) -> T:
+    """A setting that may be auto, as the value it was resolved to: the one place auto
+    becomes a number (asking before bench/autopilot resolved it is a bug, not a user's
+    mistake)."""
+    if isinstance(value, str):
+        raise RuntimeError(f"{name} is still {value}: bench/autopilot.resolve decides it first")
+    return value
+
+
+def resize_for_crop(crop: int) -> int:
+    """The short side an image is resized to before a center crop of ``crop`` pixels:
+    torchvision's reference 256/224."""
+    return int(round(crop * 256 / 224))
 
 
 @dataclass(frozen=True)
@@ -705,6 +716,21 @@ def read_recipe(name_or_path: str) -> dict[str, Any]:
             f"(shipped: {', '.join(shipped_recipes())})"
         )
     return read_yaml(path)
+
+
+# Settings renamed or removed since an earlier paratrain: old name -> how to read it
+# (config.yaml files and the configs inside checkpoints are read through this).
+RENAMED: dict[str, Callable[[dict[str, Any], Any, str], None]] = {}
+
+
+def migrate_settings(values: Mapping[str, Any], source: str = "config") -> dict[str, Any]:
+    """Settings written by an earlier paratrain, as this one names them; a setting that
+    changed its meaning is refused in one line that says how to convert it."""
+    migrated = dict(values)
+    for old, convert in RENAMED.items():
+        if old in migrated:
+            convert(migrated, migrated.pop(old), source)
+    return migrated
 
 
 def preset_notes(cfg: TrainConfig) -> list[str]:

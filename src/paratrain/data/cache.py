@@ -29,7 +29,6 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 from torchvision import transforms as T
-from torchvision.transforms import functional as TF
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F2  # uint8 fast path for resizing
 from tqdm import tqdm
@@ -42,6 +41,7 @@ from paratrain.data.folder import (
     open_image,
     read_rgb,
     seeded,
+    upright_size,
 )
 from paratrain.data.transforms import (
     IMAGENET_MEAN,
@@ -49,14 +49,15 @@ from paratrain.data.transforms import (
     INTERPOLATION,
     Augment,
     eval_resize,
+    resized_size,
 )
 from paratrain.distributed import comm
 from paratrain.distributed.env import DistEnv
 from paratrain.errors import AgreedUserError
+from paratrain.files import fsync, swap_in
 from paratrain.log import get_logger
 
 CACHE_FORMAT = 4  # 2: every file has a slot; 3: JPEG draft; 4: manifest with checksums
-_ROTATED = {5, 6, 7, 8}  # EXIF orientations that swap width and height
 
 
 def cache_key(samples: Sequence[Sample], short_side: int) -> str:
@@ -71,10 +72,8 @@ def cache_key(samples: Sequence[Sample], short_side: int) -> str:
 def stored_shape(path: str, short_side: int) -> tuple[int, int]:
     """(height, width) of the image once upright and resized, from its header alone."""
     with open_image(path, short_side) as image:
-        width, height = image.size
-        if image.getexif().get(0x0112) in _ROTATED:
-            width, height = height, width
-    return tuple(TF._compute_resized_output_size([height, width], [short_side]))
+        height, width = upright_size(image)
+    return resized_size(height, width, short_side)
 
 
 class _Decode(Dataset):
@@ -170,7 +169,7 @@ def _write_manifest(directory: Path, images: int, short: int, bad: list) -> None
     }
     tmp = directory / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps(manifest) + "\n")
-    _fsync(tmp)
+    fsync(tmp)
     os.replace(tmp, directory / MANIFEST)
 
 
@@ -203,14 +202,6 @@ def verify(directory: Path, images: int, short: int) -> str | None:
     if len(found) != len(manifest.get("blocks", [])):
         return "its checksums do not cover its data"
     return None
-
-
-def _fsync(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def prepare(
@@ -334,13 +325,9 @@ def _plan_node(samples, short: int, mode, max_gb, base: Path, key: str) -> tuple
 def _finish(tmp: Path, final: Path, key: str, images: int, short: int, bad: list) -> None:
     """The node's builder: the data on disk, the manifest last, the folder renamed into
     place (an invalid old one out of the way first), the lock let go."""
-    _fsync(tmp / "data.u8")  # every process's writes reach the disk before the manifest
+    fsync(tmp / "data.u8")  # every process's writes reach the disk before the manifest
     _write_manifest(tmp, images, short, [list(pair) for pair in bad])
-    old = final.with_name(f".{final.name}.old-{os.getpid()}")
-    if final.exists():
-        os.rename(final, old)
-    os.rename(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+    swap_in(tmp, final)  # an invalid old one out of the way first
     handle = _held_locks.pop(key, None)
     if handle is not None:
         fcntl.flock(handle, fcntl.LOCK_UN)

@@ -19,10 +19,9 @@ import torch
 from PIL import Image
 
 from paratrain.data.cache import CachedTrainTransform, policy_seed
-from paratrain.data.folder import ImageSamples, Sample, load_rgb, seeded
+from paratrain.data.folder import ImageSamples, Sample, load_rgb, seeded, upright_size
 
 JPEG_MAGIC = b"\xff\xd8\xff"
-_ROTATED = {5, 6, 7, 8}  # EXIF orientations that swap width and height
 
 
 @dataclass
@@ -86,9 +85,7 @@ class DeviceAugmented(ImageSamples):
             raw = handle.read()
         if raw.startswith(JPEG_MAGIC):
             with Image.open(io.BytesIO(raw)) as header:  # the header only: no decoding
-                width, height = header.size
-                if header.getexif().get(0x0112) in _ROTATED:
-                    width, height = height, width
+                height, width = upright_size(header)
             return torch.frombuffer(bytearray(raw), dtype=torch.uint8), True, (height, width)
         pixels = torch.from_numpy(_array(load_rgb(path))).permute(2, 0, 1).contiguous()
         return pixels, False, tuple(pixels.shape[-2:])

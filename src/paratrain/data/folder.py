@@ -177,6 +177,18 @@ def _problem(exc: BaseException) -> str:
     return str(exc).split("\n")[0] or type(exc).__name__
 
 
+_ROTATED = {5, 6, 7, 8}  # EXIF orientations that swap width and height
+
+
+def upright_size(image: Image.Image) -> tuple[int, int]:
+    """(height, width) of an opened image once turned upright as its EXIF orientation
+    says, from its header alone."""
+    width, height = image.size
+    if image.getexif().get(0x0112) in _ROTATED:
+        width, height = height, width
+    return height, width
+
+
 def open_image(path: str, at_least: int | None = None) -> Image.Image:
     """``Image.open``; with ``at_least``, a JPEG is set to decode at the smallest of 1/1,
     1/2, 1/4, 1/8 scale (in the DCT, far cheaper than decoding it whole) that keeps both

@@ -6,6 +6,7 @@ stages read the same batches); evaluation shards every image exactly once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from paratrain.data.cache import (
     prepare,
 )
 from paratrain.data.device_batches import DeviceAugmented, decode_faster_on_device
-from paratrain.data.folder import DataSplit, ImageSamples
+from paratrain.data.folder import DataSplit, ImageSamples, Sample
 from paratrain.data.samplers import ShardedEvalSampler, TrainBatches, TrainSampler, train_sampler
 from paratrain.data.scan import screen
 from paratrain.data.transforms import Augment, eval_samples, train_transform
@@ -127,22 +128,46 @@ def make_loaders(
         common["collate_fn"] = batched
     else:
         train_set = ImageSamples(split.train, train_transform(augment))
-    # validation from the cache where it holds validation's resize (bit for bit the decode
-    # path's tensors), else decoded: a second resize would change them
-    if cache is not None and cfg.stored_size == cfg.eval_resize:
-        val_set = CachedImages(split.val, cache, cached_eval_transform(cfg.eval_crop))
-    else:
-        val_set = eval_samples(split.val, cfg.eval_crop, cfg.eval_resize, cfg.interpolation)
     sampler = train_sampler(len(train_set), replica, replicas, cfg.seed, cfg.ra_reps)
     if len(sampler) == 1:
         raise AgreedUserError(
             f"{len(train_set)} training image(s) give each of {replicas} model copies 1 image "
             "an epoch, and BatchNorm needs 2 a step: use fewer processes or more images"
         )
-    batches = TrainBatches(sampler, cfg.batch_size, drop_last=fixed_batch)
+    batches = TrainBatches(sampler, cfg.batch, drop_last=fixed_batch)
     train = DataLoader(train_set, batch_sampler=batches, **common)
-    val_sampler = ShardedEvalSampler(len(val_set), replica, replicas)
-    if not isinstance(val_set, CachedImages):
-        common.pop("collate_fn", None)
-    val = DataLoader(val_set, sampler=val_sampler, batch_size=cfg.batch_size, **common)
+    val = validation_loader(
+        split.val, cfg, cfg.batch, workers, replica, replicas, cache, runtime.device.type == "cuda"
+    )
     return Loaders(train, val, sampler, workers, cache is not None)
+
+
+def validation_loader(
+    samples: Sequence[Sample],
+    cfg: TrainConfig,
+    batch_size: int,
+    workers: int,
+    rank: int,
+    world: int,
+    cache: DecodedCache | None = None,
+    pin: bool = False,
+) -> DataLoader:
+    """Validation batches of this rank's exact shard (every image once across ranks):
+    the training run's and `paratrain eval`'s. From the cache where it holds
+    validation's resize (bit for bit the decode path's tensors), else decoded: a second
+    resize would change them."""
+    extra: dict = {}
+    if cache is not None and cfg.stored_size == cfg.eval_resize:
+        dataset: ImageSamples = CachedImages(samples, cache, cached_eval_transform(cfg.eval_crop))
+        extra["collate_fn"] = batched
+    else:
+        dataset = eval_samples(samples, cfg.eval_crop, cfg.eval_resize, cfg.interpolation)
+    return DataLoader(
+        dataset,
+        sampler=ShardedEvalSampler(len(dataset), rank, world),
+        batch_size=batch_size,
+        num_workers=workers,
+        pin_memory=pin,
+        persistent_workers=workers > 0,
+        **extra,
+    )

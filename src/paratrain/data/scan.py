@@ -14,7 +14,7 @@ from pathlib import Path
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from paratrain.data.folder import DataSplit, image_problem
+from paratrain.data.folder import DataSplit, Sample, image_problem
 from paratrain.distributed import comm
 from paratrain.errors import AgreedUserError
 from paratrain.log import get_logger
@@ -51,6 +51,17 @@ def find_bad_images(paths: list[str], rank: int, world: int, workers: int, show:
     return sorted(pair for part in comm.all_gather_object(found) for pair in part)
 
 
+def without_unreadable(samples: list[Sample]) -> tuple[list[Sample], list[tuple[str, str]]]:
+    """The samples whose files can be read, and (path, why) of the others: how a run
+    under ``--bad-images skip`` left them out, for `paratrain eval` to do the same."""
+    bad = find_bad_images([path for path, _ in samples], 0, 1, 0, show=True)
+    return _leave_out(samples, {path for path, _ in bad}), bad
+
+
+def _leave_out(samples: list[Sample], bad: set[str]) -> list[Sample]:
+    return [sample for sample in samples if sample[0] not in bad]
+
+
 def screen(
     split: DataSplit,
     policy: str,
@@ -81,9 +92,7 @@ def screen(
         (run_dir / "bad_images.txt").write_text("".join(f"{p}\t{w}\n" for p, w in bad))
     log.info(f"skipping {len(bad)} unreadable image(s); listed in {run_dir / 'bad_images.txt'}")
     kept = replace(
-        split,
-        train=[s for s in split.train if s[0] not in bad_paths],
-        val=[s for s in split.val if s[0] not in bad_paths],
+        split, train=_leave_out(split.train, bad_paths), val=_leave_out(split.val, bad_paths)
     )
     for name, part in (("train", kept.train), ("val", kept.val)):
         present = {label for _, label in part}

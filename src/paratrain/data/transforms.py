@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from torchvision import transforms as T
 from torchvision.transforms import InterpolationMode, v2
 
+from paratrain.config.train import resize_for_crop
 from paratrain.data.folder import ImageSamples, Sample
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -16,9 +17,15 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 INTERPOLATION = {"bilinear": InterpolationMode.BILINEAR, "bicubic": InterpolationMode.BICUBIC}
 
 
-def eval_resize(size: int) -> int:
-    """The short side evaluation resizes to before its center crop (torchvision's 256/224)."""
-    return int(round(size * 256 / 224))
+eval_resize = resize_for_crop  # the short side evaluation resizes to before its crop
+
+
+def resized_size(height: int, width: int, short_side: int) -> tuple[int, int]:
+    """(height, width) once ``Resize(short_side)`` has scaled the shorter side to
+    ``short_side``: the longer side scaled alike and truncated, as torchvision does."""
+    if width <= height:
+        return int(short_side * height / width), short_side
+    return short_side, int(short_side * width / height)
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,17 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
+from paratrain.distributed.env import DistEnv, detect
 from paratrain.distributed.runtime import threads_per_process
 from paratrain.errors import UserError
+
+T = TypeVar("T")
+
+# set by the launcher for its workers: what it checked need not be checked N times again
+CHECKED = "PARATRAIN_CHECKED"
 
 # Exit code of a worker whose collective failed because another rank went away: the
 # launcher then reports the rank that failed first for a reason of its own.
@@ -116,3 +123,28 @@ def launch(
             )
         return failure.exitcode or 1
     return 0
+
+
+def launch_or_run(
+    nproc: int,
+    argv: list[str],
+    work: Callable[[DistEnv], T],
+    *,
+    max_restarts: int = 0,
+    master_port: int | None = None,
+) -> T | None:
+    """``work(env)`` here when this process is the job's only one, or already one of a
+    launched job's (torchrun, srun); else start ``nproc`` workers running ``paratrain
+    <argv>`` through torch's elastic launcher, wait, and return None (a failed worker's
+    exit code becomes this process's)."""
+    env = detect(os.environ)
+    if nproc <= 1 or env.source != "single":
+        return work(env)
+    os.environ[CHECKED] = "1"
+    try:
+        code = launch(nproc, argv, max_restarts=max_restarts, master_port=master_port)
+    finally:
+        os.environ.pop(CHECKED, None)
+    if code:
+        raise SystemExit(code)
+    return None

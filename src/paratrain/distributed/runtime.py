@@ -8,6 +8,7 @@ import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -84,6 +85,38 @@ def usable_cores() -> int:
 def threads_per_process(local_world_size: int) -> int:
     """Share this machine's cores among the processes started on it."""
     return max(1, usable_cores() // max(local_world_size, 1))
+
+
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether the CPU computes bf16 natively (AVX512-BF16 or AMX): where bf16 autocast is faster than fp32."""
+    if cpuinfo is None:
+        path = Path("/proc/cpuinfo")
+        cpuinfo = path.read_text() if path.is_file() else ""
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[1].split())
+    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
+
+
+def resolve_precision(requested: str, device: torch.device, cpuinfo: str | None = None) -> str:
+    """The precision to train in: the requested one, or auto's choice for this device:
+    bf16 autocast where the device computes bf16 natively — CUDA devices that support
+    it, CPUs with AVX512-BF16 or AMX (read from /proc/cpuinfo) — and fp32 elsewhere,
+    where emulated bf16 would be slower than fp32."""
+    if requested == "16-mixed" and device.type != "cuda":
+        raise UserError(
+            "--precision 16-mixed needs CUDA (float16 with a GradScaler); "
+            "on CPU use bf16-mixed or 32"
+        )
+    if requested != "auto":
+        return requested
+    if device.type == "cuda":
+        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "32"
+    return "bf16-mixed" if cpu_has_native_bf16(cpuinfo) else "32"
 
 
 @contextmanager

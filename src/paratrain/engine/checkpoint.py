@@ -1,10 +1,16 @@
-"""Checkpoints: whole and atomic on disk, written by the Checkpointer, read back by
-resume().
+"""Checkpoints: typed and versioned, whole and atomic on disk, written by the
+Checkpointer, read back by resume().
 
-A checkpoint holds the unwrapped model, EMA weights, optimizer (in the single-device
-layout every strategy shares), LR scheduler, grad scaler, where training stands, every
-rank's RNG states, the classes and the resolved config. It is written to a temporary
-file, flushed, fsynced and renamed, so a reader sees the old file or the new one.
+A checkpoint (:class:`Checkpoint`) is made of parts, each with its own state dict
+(torch.distributed.checkpoint's ``Stateful`` shape, torchtitan's CheckpointManager): the
+unwrapped model, the optimizer (in the single-device layout every strategy shares), the
+EMA weights, the grad scaler, where training stands (:class:`Progress`), every rank's RNG
+states, the classes and the resolved config, with a format number. On disk it is a plain
+dict of tensors and plain values, loaded with ``weights_only``; an older format is
+migrated when read (:func:`migrate`), so a renamed setting never breaks an older file.
+Written to a temporary file, flushed, fsynced and renamed, so a reader sees the old
+file or the new one. Sharded strategies write each rank's shards through
+torch.distributed.checkpoint instead (engine/sharded.py), with the rest in ``state.pt``.
 """
 
 from __future__ import annotations
@@ -14,25 +20,106 @@ import os
 import pickle
 import shutil
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from paratrain.config import TrainConfig
-from paratrain.config.run_dirs import already_holds_a_run, claim_checkpoints, claim_new_name
+from paratrain.config.schema import settings
+from paratrain.config.train import migrate_settings
 from paratrain.distributed.runtime import Runtime
 from paratrain.engine import sharded
 from paratrain.engine.preempt import interrupts_deferred
 from paratrain.engine.recipe import Recipe
+from paratrain.engine.run_dir import LAST, run_dir_of
 from paratrain.engine.schedule import Schedule, peak_lr
 from paratrain.engine.state import Progress, gathered_rng_states, restore_rng
 from paratrain.errors import UserError
+from paratrain.files import fsync
 from paratrain.log import get_logger
-from paratrain.parallel import ModelParts
+from paratrain.parallel.parts import ModelParts
 
-LAST = "last.pt"
-BEST = "best.pt"
+FORMAT = 2  # 1: paratrain 0.1's flat dict (no "format" key); 2: typed parts
+
+
+@dataclass
+class Checkpoint:
+    """Everything a checkpoint holds. ``model`` is empty and ``optimizer`` None in a
+    sharded checkpoint's ``state.pt`` (they are in the shards), and ``optimizer`` None
+    in a file of weights only."""
+
+    model: dict[str, torch.Tensor]
+    config: dict[str, Any]
+    classes: list[str]
+    progress: Progress = field(default_factory=Progress)
+    optimizer: dict[str, Any] | None = None
+    ema: dict[str, Any] | None = None
+    scaler: dict[str, Any] | None = None
+    rng: list[dict[str, Any]] = field(default_factory=list)
+    replicas: int = 1  # data-parallel ranks: what the global batch was a multiple of
+    processes: int = 1
+    strategy: str = "ddp"
+    lr: float | None = None
+    val_top1: float | None = None
+    schedule: dict[str, Any] | None = None  # for a reader: the rate is derived, not saved
+    sharded: bool = False
+    optimizer_groups: list[dict[str, Any]] | None = None  # sharded: groups by name
+    format: int = FORMAT
+
+    def to_dict(self) -> dict[str, Any]:
+        """The checkpoint as saved: tensors and plain values only."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values["progress"] = self.progress.state_dict()
+        return values
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "checkpoint") -> Checkpoint:
+        """A checkpoint of any format, migrated to this one."""
+        values = migrate(raw, source)
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in values.items() if k in known}
+        values["progress"] = Progress.of(values.get("progress") or {})
+        return cls(**values)
+
+    def train_config(self, source: str = "checkpoint") -> TrainConfig:
+        """The run's settings as this paratrain reads them."""
+        return TrainConfig.from_dict(self.config, source=source)
+
+    def weights(self, path: str | Path, ema: bool = False) -> dict[str, torch.Tensor]:
+        """The raw weights, or with ``ema`` the moving-average weights."""
+        if not ema:
+            return self.model
+        if not self.ema:
+            raise UserError(f"--ema: {path} holds no EMA weights (train with --ema-decay)")
+        averaged: dict[str, torch.Tensor] = self.ema["model"]
+        return averaged
+
+
+def migrate(raw: dict[str, Any], source: str = "checkpoint") -> dict[str, Any]:
+    """A checkpoint's dict in this format, from any earlier one; its settings as this
+    paratrain names them (config/train.migrate_settings)."""
+    version = raw.get("format", 1)
+    if not isinstance(version, int) or version > FORMAT:
+        raise UserError(
+            f"{source} is of checkpoint format {version}; this paratrain reads up to "
+            f"{FORMAT} (a newer paratrain wrote it)"
+        )
+    values = dict(raw)
+    if version == 1:  # where training stood was flat; the replica count was "world_size"
+        progress = {
+            key: values.pop(key)
+            for key in ("epoch", "step_in_epoch", "consumed", "global_step", "skipped_steps")
+            if key in values
+        }
+        progress["best_top1"] = values.pop("best_top1", -1.0)
+        progress["totals"] = values.pop("partial_totals", None)
+        values["progress"] = progress
+        values["replicas"] = values.pop("world_size", 1)
+        values["format"] = 2
+    values["config"] = migrate_settings(values.get("config") or {}, source)
+    return values
 
 
 def save_atomic(state: dict[str, Any], path: Path) -> None:
@@ -60,7 +147,7 @@ def save_atomic(state: dict[str, Any], path: Path) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync(path.parent)
 
 
 def copy_atomic(state: dict[str, Any], written: Path, path: Path) -> None:
@@ -76,37 +163,12 @@ def copy_atomic(state: dict[str, Any], written: Path, path: Path) -> None:
         tmp.unlink(missing_ok=True)
         save_atomic(state, path)
         return
-    _fsync_dir(path.parent)
+    fsync(path.parent)
 
 
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def load(path: str | Path, with_optimizer: bool = True) -> dict[str, Any]:
-    """A checkpoint as a dict in the single-file layout (a sharded folder consolidated
-    in memory), read as data: tensors and plain values only (``weights_only``), so a
+def _read_file(path: Path) -> dict[str, Any]:
+    """A checkpoint file as data: tensors and plain values only (``weights_only``), so a
     file from anywhere cannot run code. Anything else is one line naming the file."""
-    path = Path(path)
-    if path.is_dir():
-        found = sharded.find(path)
-        if found is None and (path / "checkpoints").is_dir():
-            raise UserError(
-                f"{path} is a run directory: name one of its checkpoints, e.g. "
-                f"{path / 'checkpoints' / 'best.pt'}"
-            )
-        if found is None:
-            raise UserError(f"{path} is a folder but not a sharded paratrain checkpoint")
-        return sharded.consolidate(found, with_optimizer)
-    if not path.is_file():
-        raise UserError(f"checkpoint not found: {path}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
@@ -129,97 +191,37 @@ def load(path: str | Path, with_optimizer: bool = True) -> dict[str, Any]:
     return state
 
 
-def run_dir_of(path: str | Path) -> Path | None:
-    """The run directory of a checkpoint saved by training (<run>/checkpoints/x.pt)."""
+def load(path: str | Path, with_optimizer: bool = True) -> Checkpoint:
+    """A whole checkpoint (a sharded folder consolidated in memory into the single-file
+    layout), read as data and migrated to this format."""
     path = Path(path)
-    return path.parent.parent if path.parent.name == "checkpoints" else None
+    if path.is_dir():
+        found = sharded.find(path)
+        if found is None and (path / "checkpoints").is_dir():
+            raise UserError(
+                f"{path} is a run directory: name one of its checkpoints, e.g. "
+                f"{path / 'checkpoints' / 'best.pt'}"
+            )
+        if found is None:
+            raise UserError(f"{path} is a folder but not a sharded paratrain checkpoint")
+        return Checkpoint.from_dict(sharded.consolidate(found, with_optimizer), str(path))
+    if not path.is_file():
+        raise UserError(f"checkpoint not found: {path}")
+    return Checkpoint.from_dict(_read_file(path), str(path))
 
 
-def find_resumable(output_dir: Path, name: str | None) -> Path | None:
-    """``--resume auto``: the last checkpoint (last.pt, or a sharded last/) of the named
-    run, else of the newest run that has one."""
-    runs = [output_dir / name] if name else [p for p in output_dir.glob("*") if p.is_dir()]
-    found = [(c.stat().st_mtime, c) for c in map(last_of_run, runs) if c is not None]
-    return max(found)[1] if found else None
-
-
-def last_of_run(run: Path) -> Path | None:
-    """The newer of a run directory's last.pt and sharded last/ (None: it has neither)."""
-    single = run / "checkpoints" / LAST
-    candidates = [single] if single.is_file() else []
-    folder = sharded.find(run / "checkpoints" / "last")
-    candidates += [folder] if folder is not None else []
-    return max(candidates, key=lambda c: c.stat().st_mtime) if candidates else None
-
-
-def resume_target(resume: str) -> Path:
-    """``--resume PATH``: a checkpoint file, a sharded checkpoint's folder, or a run
-    directory (its last checkpoint)."""
-    path = Path(resume)
-    if not path.exists():
-        raise UserError(f"--resume: checkpoint not found: {path}")
-    if path.is_dir() and sharded.find(path) is None and (path / "checkpoints").is_dir():
-        last = last_of_run(path)
-        if last is None:
-            raise UserError(f"--resume: {path} is a run directory with no last checkpoint")
-        return last
-    return path
-
-
-def prune_epochs(directory: Path, keep: int) -> None:
-    """Keep the newest ``keep`` epoch-NNNN checkpoints (files or sharded folders); last
-    and best are separate."""
-    epochs = sorted(p for p in directory.glob("epoch-*") if p.suffix in (".pt", ""))
-    for old in epochs[: max(0, len(epochs) - keep)]:
-        if old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            old.unlink(missing_ok=True)
+def read_for_resume(path: Path) -> Checkpoint:
+    """What resuming checks first: a file whole, a sharded checkpoint's ``state.pt``
+    alone (its tensors are read later, each rank its shards)."""
+    folder = sharded.find(path) if path.is_dir() else None
+    if folder is not None:
+        return Checkpoint.from_dict(sharded.read_state(folder), str(path))
+    return load(path)
 
 
 def samples_per_step(cfg: TrainConfig, replicas: int) -> int:
     """The global batch: per-process batch x model replicas x accumulated micro-batches."""
-    return cfg.batch_size * replicas * cfg.grad_accum
-
-
-def holds_a_run(run_dir: Path) -> bool:
-    """Whether a run already wrote into ``run_dir``."""
-    return (run_dir / "config.yaml").exists() or any((run_dir / "checkpoints").glob("*.pt"))
-
-
-def check_run_dir_free(cfg: TrainConfig) -> None:
-    """A named run that exists is continued (--resume) or left alone (another --name):
-    never overwritten."""
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if cfg.name and cfg.resume is None and not restarted:
-        run_dir = Path(cfg.output_dir) / cfg.name
-        if holds_a_run(run_dir):
-            raise already_holds_a_run(run_dir)
-
-
-def resolve_run(cfg: TrainConfig) -> tuple[Path, Path | None]:
-    """The run directory and the checkpoint to resume from (None: a fresh start). Rank 0
-    decides (see comm.agree); an existing run is never overwritten."""
-    output = Path(cfg.output_dir)
-    resume = cfg.resume
-    if resume is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        resume = "auto"  # a restarted worker continues from the last checkpoint
-    check_run_dir_free(cfg)
-    resume_from: Path | None = None
-    if resume == "auto":
-        resume_from = find_resumable(output, cfg.name)
-    elif resume:
-        resume_from = resume_target(resume)
-    fresh = resume_from is None and resume is None
-    if cfg.name:
-        name = cfg.name
-    elif resume_from is not None and run_dir_of(resume_from) is not None:
-        name = run_dir_of(resume_from).name
-    else:  # a timestamp; a run started in the same second gets the next free name
-        name = claim_new_name(output)
-    run_dir = output / name
-    claim_checkpoints(run_dir, new_run=fresh)  # one step: two new runs cannot share it
-    return run_dir, resume_from
+    return cfg.batch * replicas * cfg.grad_accum
 
 
 class Checkpointer:
@@ -241,32 +243,33 @@ class Checkpointer:
         self.classes, self.recipe = classes, recipe
 
     def save(self, progress: Progress, val_top1: float | None = None) -> None:
-        """A collective: every rank calls it. Sharded strategies (fsdp, pipeline) write
-        their shards each (folders last/, best/, epoch-NNNN/); the others hand rank 0
-        the whole state, which it writes as one file (last.pt, best.pt, epoch-NNNN.pt).
-        Ctrl-C meanwhile takes effect once the checkpoint is written."""
+        """A collective: every rank calls it. Sharded strategies write their shards each
+        (folders last/, best/, epoch-NNNN/); the others hand rank 0 the whole state,
+        which it writes as one file (last.pt, best.pt, epoch-NNNN.pt). Ctrl-C meanwhile
+        takes effect once the checkpoint is written."""
         with interrupts_deferred():
             self._save(progress, val_top1)
 
     def _save(self, progress: Progress, val_top1: float | None) -> None:
         rng = gathered_rng_states()
-        rest = self._rest(progress, val_top1, rng)
         if self.parts.collective_state:
-            sharded.save(self.dir / "last", self.parts, self.optimizer, rest)
+            rest = self._checkpoint(progress, val_top1, rng, {})
+            sharded.save(self.dir / "last", self.parts, self.optimizer, rest.to_dict())
             if self.runtime.is_main and val_top1 is not None:
                 self._keep_copies(self.dir / "last", "", progress, val_top1, sharded.link_copy)
             return
-        if self.runtime.is_main:
-            model = self.parts.state_dict()
-            optimizer = self.parts.optimizer_state_dict(self.optimizer)
+        model = self.parts.state_dict() if self.runtime.is_main else {}
+        optimizer = self.parts.optimizer_state_dict(self.optimizer) if self.runtime.is_main else {}
         if not self.runtime.is_main:
             return
-        state = {"model": model, "optimizer": optimizer, **rest}
+        state = self._checkpoint(progress, val_top1, rng, model)
+        state.optimizer = optimizer
+        whole = state.to_dict()
         last = self.dir / LAST
-        save_atomic(state, last)
+        save_atomic(whole, last)
         if val_top1 is not None:
             self._keep_copies(
-                last, ".pt", progress, val_top1, lambda src, dst: copy_atomic(state, src, dst)
+                last, ".pt", progress, val_top1, lambda src, dst: copy_atomic(whole, src, dst)
             )
 
     def _keep_copies(
@@ -279,110 +282,74 @@ class Checkpointer:
             copy(last, self.dir / f"epoch-{progress.epoch:04d}{suffix}")
             prune_epochs(self.dir, self.cfg.keep)
 
-    def _rest(self, progress: Progress, val_top1: float | None, rng: list) -> dict[str, Any]:
-        """Everything a checkpoint holds besides the model's and optimizer's tensors."""
+    def _checkpoint(
+        self, progress: Progress, val_top1: float | None, rng: list, model: dict
+    ) -> Checkpoint:
+        """Every part of the checkpoint but the optimizer's (whole) state."""
         ema, scaler = self.recipe.ema, self.recipe.precision.scaler
-        return {
-            "ema": ema.state_dict() if ema is not None else None,
-            "schedule": dataclasses.asdict(self.schedule),  # for a reader: it is derived
-            "scaler": scaler.state_dict() if scaler is not None else None,
-            "epoch": progress.epoch,
-            "step_in_epoch": progress.step_in_epoch,
-            "consumed": progress.consumed,
-            "global_step": progress.global_step,
-            "skipped_steps": progress.skipped_steps,
-            "partial_totals": progress.totals.detach().cpu().clone(),
-            "best_top1": progress.best_top1,
-            "val_top1": val_top1,
-            "rng": rng,
-            "classes": self.classes,
-            "config": self.cfg.to_dict(),
-            "world_size": self.parts.replicas,  # data-parallel copies: what the batch scales by
-            "processes": self.runtime.world_size,
-            "strategy": self.cfg.strategy,
-            "lr": self.optimizer.param_groups[0]["lr"],
-        }
+        return Checkpoint(
+            model=model,
+            config=self.cfg.to_dict(),
+            classes=self.classes,
+            progress=progress,
+            ema=ema.state_dict() if ema is not None else None,
+            scaler=scaler.state_dict() if scaler is not None else None,
+            rng=rng,
+            replicas=self.parts.replicas,
+            processes=self.runtime.world_size,
+            strategy=self.cfg.strategy,
+            lr=self.optimizer.param_groups[0]["lr"],
+            val_top1=val_top1,
+            schedule=dataclasses.asdict(self.schedule),
+        )
 
 
-# settings a checkpoint cannot continue under, and why
-FIXED_ON_RESUME = {
-    "model": "its weights belong to another architecture",
-    "opt": "its optimizer state belongs to another optimizer",
-    "freeze_backbone": "its optimizer state covers other parameters",
-    "split_seed": "the train/val split would change",
-    "val_fraction": "the train/val split would change",
-}
-# settings that take effect on resume without being worth a word
-QUIET_ON_RESUME = {
-    "data",
-    "workers",
-    "bad_images",
-    "cache",
-    "cache_max_gb",
-    "cache_dir",
-    "weights",
-    "weights_strict",
-    "nproc",
-    "strategy",
-    "devices",
-    "stages",
-    "microbatches",
-    "schedule",
-    "split_points",
-    "backend",
-    "device",
-    "timeout",
-    "max_restarts",
-    "master_port",
-    "keep",
-    "save_every_steps",
-    "requeue",
-    "preempt_grace",
-    "output_dir",
-    "name",
-    "resume",
-    "tensorboard",
-    "compile",
-    "memory_format",
-    "bucket_cap_mb",
-    "grad_compression",
-}
+def prune_epochs(directory: Path, keep: int) -> None:
+    """Keep the newest ``keep`` epoch-NNNN checkpoints (files or sharded folders); last
+    and best are separate."""
+    epochs = sorted(p for p in directory.glob("epoch-*") if p.suffix in (".pt", ""))
+    for old in epochs[: max(0, len(epochs) - keep)]:
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
 
 
 def check_resumable(
-    state: dict, cfg: TrainConfig, classes: list[str], path: Path
+    state: Checkpoint, cfg: TrainConfig, classes: list[str], path: Path
 ) -> tuple[TrainConfig, list[str]]:
     """The checkpoint's config, and the settings that differ from it and take effect.
-    What cannot continue is one line with every difference and what to do."""
-    needed = ("epoch",) if state.get("sharded") else ("optimizer", "epoch")  # shards: apart
-    lacking = [key for key in needed if key not in state]
-    if lacking:
+    What cannot continue is one line with every difference and what to do; which
+    settings those are is each setting's own declaration (its rule's ``resume``)."""
+    if state.optimizer is None and not state.sharded:
         raise UserError(
             f"cannot resume from {path}: it holds weights but no training state (no "
-            f"{', '.join(repr(key) for key in lacking)}; an exported file keeps the weights "
-            f"only) — start a new run from its weights (--weights {path})"
+            f"'optimizer'; an exported file keeps the weights only) — start a new run from "
+            f"its weights (--weights {path})"
         )
-    saved = TrainConfig.from_dict(state["config"], source=str(path))
-    refused = []
-    for key, why in FIXED_ON_RESUME.items():
-        old, new = getattr(saved, key), getattr(cfg, key)
-        if old != new:
-            flag = "--" + key.replace("_", "-")
-            refused.append(f"{flag} {new} but the checkpoint has {old} ({why})")
-    if state.get("classes") != classes:
-        old, new = state.get("classes") or [], classes
-        refused.append(
-            f"the data's classes ({len(new)}: {', '.join(new[:4])}...) are not the "
-            f"checkpoint's ({len(old)}: {', '.join(old[:4])}...)"
-        )
-    for key in ("seed", "ra_reps") if state.get("step_in_epoch") else ():
-        old, new = getattr(saved, key), getattr(cfg, key)
-        if old != new:  # they make the epoch's order: its rest must follow the same one
-            flag = "--" + key.replace("_", "-")
-            refused.append(
-                f"{flag} {new} but the checkpoint's epoch is part done under {flag} {old} "
+    saved = state.train_config(str(path))
+    mid_epoch = state.progress.step_in_epoch > 0
+    fixed, order, changed = [], [], []
+    for s in settings(TrainConfig):
+        old, new = getattr(saved, s.name), getattr(cfg, s.name)
+        if old == new or s.rule.resume == "quiet":
+            continue
+        if s.rule.resume == "fixed":
+            fixed.append(f"{s.flag} {new} but the checkpoint has {old} ({s.rule.resume_why})")
+        elif s.rule.resume == "fixed_mid_epoch" and mid_epoch:
+            order.append(
+                f"{s.flag} {new} but the checkpoint's epoch is part done under {s.flag} {old} "
                 "(the rest of the epoch follows that order)"
             )
+        else:
+            changed.append(f"{s.name} {old} -> {new}")
+    if state.classes != classes:
+        old_classes, new_classes = state.classes or [], classes
+        fixed.append(
+            f"the data's classes ({len(new_classes)}: {', '.join(new_classes[:4])}...) are not "
+            f"the checkpoint's ({len(old_classes)}: {', '.join(old_classes[:4])}...)"
+        )
+    refused = fixed + order
     if refused:
         weights = f"--weights {path}"
         if Path(path).is_dir():  # a sharded checkpoint: one file of it first
@@ -391,11 +358,6 @@ def check_resumable(
             f"cannot resume from {path}: " + "; ".join(refused) + " — resume with the "
             f"checkpoint's settings, or start a new run from its weights ({weights})"
         )
-    changed = [
-        f"{key} {getattr(saved, key)} -> {getattr(cfg, key)}"
-        for key in saved.to_dict()
-        if key not in QUIET_ON_RESUME and getattr(saved, key) != getattr(cfg, key)
-    ]
     return saved, changed
 
 
@@ -414,42 +376,36 @@ def resume(
     log = get_logger()
     folder = sharded.find(path) if path.is_dir() else None
     in_shards = folder is not None and parts.collective_state
-    state = sharded.read_state(folder) if in_shards else load(path)
+    state = read_for_resume(path) if in_shards else load(path)
     saved, changed = check_resumable(state, cfg, classes, path)
     if in_shards:  # each rank reads its own shards, resharded: nothing whole anywhere
-        sharded.load_into(folder, parts, optimizer, state)
+        assert folder is not None and state.optimizer_groups is not None
+        sharded.load_into(folder, parts, optimizer, state.optimizer_groups)
     else:
         try:
-            parts.load_state_dict(state["model"])
+            parts.load_state_dict(state.model)
         except RuntimeError as exc:
             first = str(exc).strip().splitlines()[0]
             raise UserError(f"{path}: its weights do not fit this model ({first[:160]})") from None
+        assert state.optimizer is not None
+        parts.load_optimizer_state_dict(optimizer, state.optimizer)
     ema, scaler = recipe.ema, recipe.precision.scaler
-    if scaler is not None and state.get("scaler"):
-        scaler.load_state_dict(state["scaler"])
+    if scaler is not None and state.scaler:
+        scaler.load_state_dict(state.scaler)
     if ema is not None:
-        if state.get("ema"):
-            ema.load_state_dict(state["ema"])
+        if state.ema:
+            ema.load_state_dict(state.ema)
         else:
             log.warning(f"{path} holds no EMA weights: the average starts from the resumed ones")
-    if not in_shards:
-        parts.load_optimizer_state_dict(optimizer, state["optimizer"])
-    restore_rng(state.get("rng"), runtime.rank)
-    progress = Progress(
-        epoch=state["epoch"],
-        step_in_epoch=state.get("step_in_epoch", 0),
-        consumed=state.get("consumed", 0),
-        global_step=state.get("global_step", 0),
-        skipped_steps=state.get("skipped_steps", 0),
-        best_top1=state.get("best_top1", -1.0),
-    )
-    old_replicas = state.get("world_size", parts.replicas)
-    _continue_with(saved, old_replicas, cfg, parts.replicas, optimizer)
-    if samples_per_step(saved, old_replicas) != samples_per_step(cfg, parts.replicas):
+    restore_rng(state.rng, runtime.rank)
+    progress = state.progress
+    same_steps = samples_per_step(saved, state.replicas) == samples_per_step(cfg, parts.replicas)
+    if not same_steps:
         # the epoch goes on from the same sample of its order: nothing skipped or repeated
         progress.step_in_epoch = progress.consumed // samples_per_step(cfg, parts.replicas)
-    elif state.get("partial_totals") is not None and runtime.is_main:
-        progress.totals = state["partial_totals"]  # rank 0 carries the epoch's sums so far
+    if not (same_steps and runtime.is_main):  # rank 0 carries the epoch's sums so far
+        progress.totals = torch.zeros(3, dtype=torch.float64)
+    _continue_with(saved, state.replicas, cfg, parts.replicas, optimizer)
     where = f"epoch {progress.epoch + 1}" + (
         f", step {progress.step_in_epoch}" if progress.step_in_epoch else ""
     )
@@ -489,3 +445,20 @@ def _set_weight_decay(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> Non
     for group in optimizer.param_groups:
         value = decay.get(group.get("kind", "decay"))
         group["weight_decay"] = cfg.weight_decay if value is None else value
+
+
+__all__ = [
+    "FORMAT",
+    "Checkpoint",
+    "Checkpointer",
+    "check_resumable",
+    "copy_atomic",
+    "load",
+    "migrate",
+    "prune_epochs",
+    "read_for_resume",
+    "resume",
+    "run_dir_of",
+    "samples_per_step",
+    "save_atomic",
+]

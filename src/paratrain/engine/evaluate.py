@@ -1,20 +1,27 @@
-"""Exact distributed evaluation.
+"""Exact distributed evaluation, and `paratrain eval`'s worker.
 
 Every rank evaluates its own unpadded shard; per-sample losses and correct counts are
 gathered and summed, never averaged, so the result is the same at every world size:
-1,001 images on 3 ranks count 1,001, not 1,002.
+1,001 images on 3 ranks count 1,001, not 1,002. The training loop's validation and
+`paratrain eval` both run :func:`evaluate`, over loaders made by one function
+(data/loaders.validation_loader).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from paratrain.config import EvalOptions, TrainConfig
+from paratrain.data.folder import DataSplit
 from paratrain.distributed import comm
+from paratrain.distributed.env import DistEnv
+from paratrain.errors import UserError
 from paratrain.models.registry import logits_of
 
 
@@ -123,3 +130,88 @@ def evaluate(
         count=n,
         **details,
     )
+
+
+@dataclass
+class EvalJob:
+    """What `paratrain eval` evaluates: a checkpoint's weights and settings on a split's
+    validation images, checked before any process starts."""
+
+    weights: dict[str, torch.Tensor]
+    saved: TrainConfig
+    split: DataSplit
+    report_dir: Path
+    skipped: int = 0  # unreadable validation images left out, as the run did
+
+
+def prepare_evaluation(opts: EvalOptions) -> EvalJob:
+    """The checkpoint read, its data split as training split it, its weights checked
+    against its model: every mistake one line before any process starts."""
+    from paratrain.data.folder import build_split
+    from paratrain.data.scan import without_unreadable
+    from paratrain.engine import checkpoint
+    from paratrain.models.registry import check_weights_fit
+
+    state = checkpoint.load(opts.checkpoint, with_optimizer=False)
+    saved = state.train_config(opts.checkpoint)
+    data_dir = opts.data or saved.data
+    if not data_dir:
+        raise UserError("--data is needed: the checkpoint does not name its data")
+    split = build_split(data_dir, saved.val_fraction, saved.split_seed)
+    if split.classes != state.classes:
+        raise UserError(
+            f"classes of {data_dir} ({len(split.classes)}) differ from the checkpoint's "
+            f"({len(state.classes)}): {split.classes[:5]} vs {state.classes[:5]}"
+        )
+    skipped = 0
+    if saved.bad_images == "skip":  # as the run did: its validation left them out
+        kept, bad = without_unreadable(split.val)
+        split, skipped = replace(split, val=kept), len(bad)
+    weights = state.weights(opts.checkpoint, opts.ema)
+    check_weights_fit(saved.model, len(split.classes), saved.train_size, weights, opts.checkpoint)
+    return EvalJob(weights, saved, split, eval_dir(opts.checkpoint, opts.ema), skipped)
+
+
+def eval_dir(state_path: str, ema: bool = False) -> Path:
+    """<run>/eval for a checkpoint inside a run directory, else eval-<name> beside it."""
+    from paratrain.engine.run_dir import run_dir_of
+
+    suffix = "-ema" if ema else ""
+    path, run = Path(state_path), run_dir_of(state_path)
+    return run / f"eval{suffix}" if run else path.parent / f"eval-{path.stem}{suffix}"
+
+
+def evaluate_checkpoint(job: EvalJob, opts: EvalOptions, env: DistEnv) -> dict:
+    """This process's share of `paratrain eval` (the one evaluation worker): the model
+    on this machine's device, each validation image counted once across the ranks; the
+    report written by rank 0."""
+    from paratrain.data.loaders import default_workers, validation_loader
+    from paratrain.distributed.runtime import distributed
+    from paratrain.log import setup_logging
+    from paratrain.models.registry import create_model
+
+    setup_logging(env.rank, env.world_size)
+    saved, split = job.saved, job.split
+    # this machine's device, not the training run's: a CUDA checkpoint evaluates on a CPU
+    with distributed(env, opts.device, None, saved.timeout) as runtime:
+        model = create_model(saved.model, len(split.classes), saved.train_size)
+        model.load_state_dict(job.weights)
+        model.to(runtime.device)
+        workers = (
+            opts.workers if opts.workers is not None else default_workers(env.local_world_size)
+        )
+        loader = validation_loader(
+            split.val, saved, opts.batch_size, workers, runtime.rank, runtime.world_size
+        )
+        result = evaluate(model, loader, runtime.device, len(split.classes), detailed=True)
+        report = {**result.as_dict(), "world_size": runtime.world_size}
+        if runtime.is_main:
+            from paratrain.report.evaluation import write_evaluation
+
+            assert result.confusion is not None and result.predictions is not None
+            out = write_evaluation(result.confusion, result.predictions, split, job.report_dir)
+            report.update(
+                per_class=dict(zip(split.classes, result.per_class_accuracy(), strict=True)),
+                report_dir=str(out),
+            )
+        return report

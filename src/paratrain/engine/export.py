@@ -12,14 +12,14 @@ from pathlib import Path
 
 import torch
 
-from paratrain.config import TrainConfig
+from paratrain.config import ExportOptions
 from paratrain.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from paratrain.models.registry import check_weights_fit
 
 
 def default_output(checkpoint_path: str, fmt: str, ema: bool) -> Path:
     """<run>/export/model[-ema].<fmt> for a checkpoint of a run, else beside the file."""
-    from paratrain.engine.checkpoint import run_dir_of
+    from paratrain.engine.run_dir import run_dir_of
 
     path, run, suffix = Path(checkpoint_path), run_dir_of(checkpoint_path), "-ema" if ema else ""
     if path.is_dir():  # a sharded checkpoint's folder: name the file after it
@@ -27,6 +27,14 @@ def default_output(checkpoint_path: str, fmt: str, ema: bool) -> Path:
     if run is not None:
         return run / "export" / f"model{suffix}.{fmt}"
     return path.with_name(f"{path.stem}{suffix}.{fmt}")
+
+
+def check_export(checkpoint_path: str, opts: ExportOptions) -> Path:
+    """What export would write, its checkpoint checked as export reads it."""
+    from paratrain.engine.predict import load_for_inference
+
+    load_for_inference(checkpoint_path, torch.device("cpu"), opts.ema)
+    return Path(opts.out) if opts.out else default_output(checkpoint_path, opts.format, opts.ema)
 
 
 def export(
@@ -65,13 +73,12 @@ def _save_checkpoint(checkpoint_path: str, target: str | Path) -> dict[str, str]
     from paratrain.engine import checkpoint
 
     state = checkpoint.load(checkpoint_path)
-    cfg = TrainConfig.from_dict(state["config"], source=checkpoint_path)
-    classes = state["classes"]
-    check_weights_fit(cfg.model, len(classes), cfg.train_size, state["model"], checkpoint_path)
-    state.pop("optimizer_groups", None)
-    state.pop("sharded", None)
+    cfg = state.train_config(checkpoint_path)
+    classes = state.classes
+    check_weights_fit(cfg.model, len(classes), cfg.train_size, state.model, checkpoint_path)
+    state.optimizer_groups, state.sharded = None, False
     target = Path(target)
-    checkpoint.save_atomic(state, target)
+    checkpoint.save_atomic(state.to_dict(), target)
     index = target.parent / "class_indices.json"
     index.write_text(json.dumps({str(i): c for i, c in enumerate(classes)}, indent=2) + "\n")
     return {"export": str(target), "class_indices": str(index)}

@@ -42,26 +42,17 @@ def collect_images(inputs: Sequence[str]) -> list[str]:
     return found
 
 
-def weights_of(state: dict, checkpoint_path: str, ema: bool = False) -> dict:
-    """The raw weights of a checkpoint, or with ``ema`` its moving-average weights."""
-    if not ema:
-        return state["model"]
-    if not state.get("ema"):
-        raise UserError(f"--ema: {checkpoint_path} holds no EMA weights (train with --ema-decay)")
-    return state["ema"]["model"]
-
-
 def load_for_inference(
     checkpoint_path: str, device: torch.device, ema: bool = False
 ) -> tuple[torch.nn.Module, TrainConfig, list[str]]:
     """The checkpoint's model (eval mode), its config and its class names."""
     state = checkpoint.load(checkpoint_path, with_optimizer=False)
-    cfg = TrainConfig.from_dict(state["config"], source=checkpoint_path)
-    weights = weights_of(state, checkpoint_path, ema)
-    check_weights_fit(cfg.model, len(state["classes"]), cfg.train_size, weights, checkpoint_path)
-    model = create_model(cfg.model, len(state["classes"]), cfg.train_size)
+    cfg = state.train_config(checkpoint_path)
+    weights = state.weights(checkpoint_path, ema)
+    check_weights_fit(cfg.model, len(state.classes), cfg.train_size, weights, checkpoint_path)
+    model = create_model(cfg.model, len(state.classes), cfg.train_size)
     model.load_state_dict(weights)
-    return model.to(device).eval(), cfg, state["classes"]
+    return model.to(device).eval(), cfg, state.classes
 
 
 @torch.no_grad()

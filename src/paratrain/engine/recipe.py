@@ -17,7 +17,8 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from paratrain.config import TrainConfig
 from paratrain.engine.precision import Precision
 from paratrain.engine.schedule import peak_lr
-from paratrain.parallel import ModelParts, unified
+from paratrain.parallel import optim_state
+from paratrain.parallel.parts import ModelParts
 
 
 @dataclass
@@ -49,12 +50,12 @@ def build_recipe(
 def param_groups(parts: ModelParts, cfg: TrainConfig) -> list[dict]:
     """The parameters that train (a frozen backbone's do not), in one group, or by kind
     with their own weight decay (--norm-weight-decay, --bias-weight-decay)."""
-    split = unified.splits_decay(cfg)
+    split = optim_state.splits_decay(cfg)
     params: dict[str, nn.Parameter] = {}
     kinds: dict[str, list[str]] = {}
     for module in parts.unwrapped():  # a split model's stages, in order
         params.update(dict(module.named_parameters()))
-        for kind, names in unified.named_groups(module, split):
+        for kind, names in optim_state.named_groups(module, split):
             kinds.setdefault(kind, []).extend(names)
     decay = {
         "decay": cfg.weight_decay,
@@ -77,11 +78,9 @@ def build_optimizer(parts: ModelParts, cfg: TrainConfig, world_size: int) -> tor
     groups = param_groups(parts, cfg)
     params = [p for group in groups for p in group["params"]]
     # one fused kernel over every parameter: ResNet-18's SGD step 3.6 ms instead of 8.4 ms
-    # on 2 CPU threads (the per-tensor loop is torch's default off CUDA)
-    # (not over FSDP's sharded DTensors: torch 2.14 has no sharding rule for fused SGD)
-    from torch.distributed.tensor import DTensor
-
-    fused = all(p.device.type in ("cpu", "cuda") and not isinstance(p, DTensor) for p in params)
+    # on 2 CPU threads (the per-tensor loop is torch's default off CUDA), where the
+    # model's parts allow it (not over sharded parameters: parallel/fsdp.py)
+    fused = parts.fused_optimizer and all(p.device.type in ("cpu", "cuda") for p in params)
     if cfg.opt == "adamw":
         return torch.optim.AdamW(groups, lr=lr, weight_decay=cfg.weight_decay, fused=fused)
     if cfg.opt in ("lars", "lamb"):

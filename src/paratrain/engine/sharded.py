@@ -29,7 +29,9 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from paratrain.distributed import comm
 from paratrain.errors import UserError
-from paratrain.parallel import ModelParts, unified
+from paratrain.files import swap_in
+from paratrain.parallel import optim_state
+from paratrain.parallel.parts import ModelParts
 
 STATE = "state.pt"  # everything but the model's and optimizer's tensors
 
@@ -95,7 +97,8 @@ def is_sharded(path: str | Path) -> bool:
 
 def save(directory: Path, parts: ModelParts, optimizer: torch.optim.Optimizer, rest: dict) -> None:
     """A collective: every rank writes its shards into a temporary folder, rank 0 adds
-    ``state.pt``, then renames the folder into place (the old one is removed after)."""
+    ``state.pt`` (``rest``: the checkpoint's other parts, engine/checkpoint.Checkpoint),
+    then renames the folder into place (the old one is removed after)."""
     tmp = directory.with_name(f".{directory.name}.tmp")
     if comm.is_main():
         shutil.rmtree(tmp, ignore_errors=True)
@@ -111,17 +114,6 @@ def save(directory: Path, parts: ModelParts, optimizer: torch.optim.Optimizer, r
             os.fsync(handle.fileno())
         swap_in(tmp, directory)
     comm.barrier()
-
-
-def swap_in(tmp: Path, target: Path) -> None:
-    """``tmp`` becomes ``target``: a reader finds the old folder or the new one (or, for
-    the moment between two renames, the old one under its parked name; see find)."""
-    parked = target.with_name(f".{target.name}.old")
-    shutil.rmtree(parked, ignore_errors=True)
-    if target.exists():
-        os.rename(target, parked)
-    os.rename(tmp, target)
-    shutil.rmtree(parked, ignore_errors=True)
 
 
 def find(directory: Path) -> Path | None:
@@ -162,14 +154,15 @@ def read_state(directory: Path) -> dict[str, Any]:
 
 
 def load_into(
-    directory: Path, parts: ModelParts, optimizer: torch.optim.Optimizer, state: dict
+    directory: Path, parts: ModelParts, optimizer: torch.optim.Optimizer, groups: list
 ) -> None:
     """A collective: this rank's shards of the model and optimizer, resharded from
-    whatever world size and strategy saved them."""
+    whatever world size and strategy saved them; ``groups``: the optimizer's param
+    groups by parameter name, as saved."""
     template, _ = parts.sharded_state(optimizer)
     _check_keys(directory, template)
     dcp.load(template, storage_reader=SafeReader(directory))
-    parts.load_sharded_state(optimizer, template, state["optimizer_groups"])
+    parts.load_sharded_state(optimizer, template, groups)
 
 
 def consolidate(directory: Path, with_optimizer: bool = True) -> dict[str, Any]:
@@ -182,14 +175,14 @@ def consolidate(directory: Path, with_optimizer: bool = True) -> dict[str, Any]:
     wanted = {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)
         for key, meta in metadata.state_dict_metadata.items()
-        if with_optimizer or key.startswith(unified.MODEL)
+        if with_optimizer or key.startswith(optim_state.MODEL)
     }
     dcp.load(wanted, storage_reader=reader, no_dist=True)
-    model, named = unified.unflatten(wanted, state["optimizer_groups"])
+    model, named = optim_state.unflatten(wanted, state["optimizer_groups"])
     state["model"] = model
     if with_optimizer:
         names = [name for group in named["param_groups"] for name in group["params"]]
-        state["optimizer"] = unified.by_index(named, names)
+        state["optimizer"] = optim_state.by_index(named, names)
     return state
 
 

@@ -34,6 +34,36 @@ class Progress:
         self.epoch, self.step_in_epoch, self.consumed = epoch, 0, 0
         self.totals = torch.zeros(3, dtype=torch.float64, device=self.totals.device)
 
+    def state_dict(self) -> dict[str, Any]:
+        """Plain values and a CPU tensor (torch.distributed.checkpoint's Stateful)."""
+        return {
+            "epoch": self.epoch,
+            "step_in_epoch": self.step_in_epoch,
+            "consumed": self.consumed,
+            "global_step": self.global_step,
+            "skipped_steps": self.skipped_steps,
+            "best_top1": self.best_top1,
+            "totals": self.totals.detach().cpu().clone(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Where a checkpoint left training (the sums where the checkpoint has them)."""
+        self.epoch = int(state.get("epoch", 0))
+        self.step_in_epoch = int(state.get("step_in_epoch", 0))
+        self.consumed = int(state.get("consumed", 0))
+        self.global_step = int(state.get("global_step", 0))
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.best_top1 = float(state.get("best_top1", -1.0))
+        totals = state.get("totals")
+        if isinstance(totals, torch.Tensor):
+            self.totals = totals.to(torch.float64).clone()
+
+    @classmethod
+    def of(cls, state: dict[str, Any]) -> Progress:
+        progress = cls()
+        progress.load_state_dict(state)
+        return progress
+
 
 def rng_state() -> dict[str, Any]:
     """This process's generators, as plain values and tensors."""

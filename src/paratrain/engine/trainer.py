@@ -9,7 +9,6 @@ back from the device: losses and counts accumulate where the model computes.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import time
 from collections.abc import Iterator
@@ -19,29 +18,27 @@ from pathlib import Path
 import torch
 
 from paratrain.config import TrainConfig
-from paratrain.data.device_batches import to_model
 from paratrain.data.folder import DataSplit, build_split
 from paratrain.data.loaders import Loaders, make_loaders, prepare_data
 from paratrain.distributed import comm
 from paratrain.distributed.runtime import Runtime, seed_everything
 from paratrain.engine import precision as precision_module
-from paratrain.engine.checkpoint import (
-    Checkpointer,
-    last_of_run,
-    resolve_run,
-    resume,
-    samples_per_step,
-)
+from paratrain.engine.checkpoint import Checkpointer, resume
 from paratrain.engine.control import StepControl
+from paratrain.engine.describe import data_words, run_facts
 from paratrain.engine.evaluate import EvalResult, evaluate
 from paratrain.engine.preempt import Interrupted, PreemptionGuard
+from paratrain.engine.preflight import check_model_input
 from paratrain.engine.recipe import Recipe, build_optimizer, build_recipe
-from paratrain.engine.schedule import Schedule, build_schedule, describe_schedule, peak_lr
+from paratrain.engine.run_dir import last_of_run, resolve_run
+from paratrain.engine.schedule import Schedule, build_schedule
 from paratrain.engine.state import Progress
+from paratrain.engine.step import Stepper
+from paratrain.engine.step import train_step as one_step
 from paratrain.errors import AgreedUserError, UserError
 from paratrain.log import get_logger
-from paratrain.models.registry import build_model, check_model_input
-from paratrain.parallel import ModelParts, parallelize
+from paratrain.parallel.parallelize import build_parts
+from paratrain.parallel.parts import ModelParts
 from paratrain.report.metrics import MetricsWriter, format_epoch
 from paratrain.report.plots import plot_curves
 from paratrain.report.run_files import (
@@ -74,6 +71,7 @@ class Run:
     control: StepControl
     metrics: MetricsWriter
     board: Board
+    stepper: Stepper
 
 
 def fit(cfg: TrainConfig, runtime: Runtime) -> dict:
@@ -109,14 +107,13 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
         torch.backends.cudnn.benchmark = False
     split = build_split(cfg.data, cfg.val_fraction, cfg.split_seed)
     try:  # before any file is written or image decoded; the same answer on every rank
-        gpus = torch.cuda.device_count() if runtime.device.type == "cuda" else 0
-        check_model_input(cfg, runtime.world_size, gpus)
+        check_model_input(cfg, runtime.world_size)
     except UserError as exc:
         raise AgreedUserError(str(exc)) from None
     run_dir, resume_from = comm.agree(lambda: resolve_run(cfg))
     cache, split = prepare_data(cfg, split, runtime, run_dir)
     classes = len(split.classes)
-    parts = parallelize(build_model(cfg, classes), cfg, runtime)
+    parts = build_parts(cfg, classes, runtime)
     optimizer = build_optimizer(parts, cfg, parts.replicas)
     recipe = build_recipe(cfg, parts, classes, precision_module.build(cfg, runtime))
     recipe.precision.prepare(parts)  # after the EMA copy: it averages the model as built
@@ -145,18 +142,18 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
     if runtime.is_main and progress.epoch < cfg.epochs:
         write_run_files(cfg, split, run_dir)
         metrics.drop_after(progress.epoch)
-        announce(
+        facts = run_facts(
             cfg,
-            split,
-            run_dir,
-            runtime,
-            workers=loaders.workers,
-            cached=loaders.cached,
-            replicas=parts.replicas,
-            global_batch=samples_per_step(cfg, parts.replicas),
-            schedule=describe_schedule(peak_lr(cfg, parts.replicas), cfg),
+            processes=f"{runtime.world_size} process(es) ({runtime.env.source})",
+            world=runtime.world_size,
+            cuda=runtime.device.type == "cuda",
+            backend=runtime.backend,
+            data=data_words(cfg, split) + f", {loaders.workers} loader worker(s)",
             precision=recipe.precision.mode,
+            cache="used" if loaders.cached else "off (decoding every epoch)",
+            resume=f"from {resume_from}" if resume_from is not None else "",
         )
+        announce(run_dir, facts)
     board = Board(run_dir, cfg.tensorboard and runtime.is_main, runtime.world_size)
     return Run(
         cfg,
@@ -173,13 +170,14 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
         control,
         metrics,
         board,
+        Stepper(parts, optimizer, recipe, control),
     )
 
 
 def _sync_free(cfg: TrainConfig, runtime: Runtime, optimizer, recipe: Recipe) -> bool:
     """On CUDA, steps read nothing back (see engine/control.py), except where skipping a
     non-finite step needs the flag on the host: a GradScaler, EMA weights, or an
-    optimizer that is not fused (FSDP's sharded parameters)."""
+    optimizer that is not fused (the model's parts say where fused kernels cannot run)."""
     if runtime.device.type != "cuda":
         return False
     if cfg.on_nonfinite == "abort":
@@ -216,52 +214,20 @@ def train_epoch(run: Run, epoch: int) -> float:
 
 
 def train_step(run: Run, micro_batches: Iterator, count: int) -> int:
-    """One optimizer step over ``count`` micro-batches: forward and backward of each,
-    gradients kept local until the last (DDP's no_sync); then every rank agrees on the
-    step, and the gradients are clipped and applied. Returns this process's images."""
-    parts, recipe, optimizer, progress = run.parts, run.recipe, run.optimizer, run.progress
-    run.control.begin_step(parts.buffers())
-    step = torch.zeros(3, dtype=torch.float64, device=parts.output_device)  # loss x n, correct, n
-    images_seen = 0
-    for micro, (images, labels) in enumerate(micro_batches):
-        images = to_model(images, parts.input_device, parts.memory_format)  # may augment there
-        labels = labels.to(parts.output_device, non_blocking=True)
-        targets = labels
-        if recipe.mixer is not None:  # train accuracy is then against the unmixed labels
-            images, targets = recipe.mixer(images, labels)
-        local = micro < count - 1
-        with parts.no_sync() if local else contextlib.nullcontext():
-            loss, logits = parts.forward_backward(
-                images, targets, recipe.criterion, recipe.precision, recipe.grad_accum
-            )
-        images_seen += labels.numel()
-        if logits is not None:  # a pipeline's last stage alone has them
-            n = labels.numel()  # on the device, with scalars from the host: nothing waits
-            step[0] += loss.double() * n
-            step[1] += (logits.argmax(1) == labels).sum()
-            step[2] += n
-    parts.after_backward()
-    skipped = run.control.judge(step[0], progress)
-    if skipped is not True:
-        if recipe.clip_grad is not None:
-            recipe.precision.unscale(optimizer)
-            grads = [p for p in parts.parameters() if p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(grads, recipe.clip_grad)
-        flag = skipped if isinstance(skipped, torch.Tensor) else None
-        recipe.precision.step(optimizer, found_inf=flag)
-        if recipe.ema is not None:
-            recipe.ema.update()
-        counted = step if flag is None else torch.where(flag > 0, 0.0, step)
-        progress.totals += counted
+    """One optimizer step of the run (engine/step.py), then what the run keeps of it:
+    the epoch's sums, the step counters, TensorBoard's scalars. Returns this process's
+    images."""
+    progress = run.progress
+    result = one_step(run.stepper, micro_batches, count, progress)
+    if result.skipped is not True:
+        progress.totals += result.sums
         if run.board.writer is not None:
-            lr = optimizer.param_groups[0]["lr"]
-            run.board.add(counted, progress.global_step + 1, lr, run.control.check_every)
-    run.control.end_step(skipped)
-    optimizer.zero_grad(set_to_none=True)
+            lr = run.optimizer.param_groups[0]["lr"]
+            run.board.add(result.sums, progress.global_step + 1, lr, run.control.check_every)
     progress.step_in_epoch += 1
     progress.global_step += 1
-    progress.consumed += images_seen * parts.replicas
-    return images_seen
+    progress.consumed += result.images * run.parts.replicas
+    return result.images
 
 
 def validate(run: Run) -> tuple[EvalResult, EvalResult | None]:

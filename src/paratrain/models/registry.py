@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -211,14 +212,20 @@ def freeze_backbone(model: nn.Module, name: str = "") -> tuple[str, int, int]:
     return head, trained, sum(p.numel() for p in model.parameters())
 
 
-def build_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
+def build_model(
+    cfg: TrainConfig, num_classes: int, device: torch.device | None = None
+) -> nn.Module:
     """The configured model with its --weights and --freeze-backbone. Seeded alike on
     every rank, so every rank builds identical initial weights; a bad name or weights
-    file fails on every rank alike, and rank 0 alone reports it."""
+    file fails on every rank alike, and rank 0 alone reports it. On the meta ``device``
+    only its shapes are built (no memory, no weights read): a strategy that fills it
+    from another rank (parallel/fsdp)."""
     torch.manual_seed(cfg.seed)
+    meta = device is not None and device.type == "meta"
     try:
-        model = create_model(cfg.model, num_classes, cfg.train_size)
-        if cfg.weights:
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            model = create_model(cfg.model, num_classes, cfg.train_size)
+        if cfg.weights and not meta:
             weights = read_state_dict(cfg.weights)
             report = load_weights(model, weights, cfg.weights_strict, cfg.weights)
             get_logger().info(report.summary(cfg.weights))
@@ -300,12 +307,12 @@ def check_input_size(name: str, image_size: int, norm_batch: int = 2) -> None:
     raise UserError(f"--model {name} cannot run on {image_size}px images ({problem}){hint}")
 
 
-def check_model_input(cfg: TrainConfig, world: int, gpus: int) -> None:
+def check_model_input(cfg: TrainConfig, norm_batch: int) -> None:
     """The model takes the training and validation sizes, and no BatchNorm layer is
-    left one value per channel by the batch it sees (``world`` ranks, ``gpus`` for
-    DataParallel): checked on the meta device before any image is decoded."""
+    left one value per channel by the ``norm_batch`` images it sees at once (what the
+    strategy says): checked on the meta device before any image is decoded."""
     check_input_size(cfg.model, cfg.eval_crop)
-    check_input_size(cfg.model, cfg.train_size, cfg.norm_batch(world, gpus))
+    check_input_size(cfg.model, cfg.train_size, norm_batch)
 
 
 def check_weights_fit(

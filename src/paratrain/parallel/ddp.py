@@ -1,4 +1,5 @@
-"""DistributedDataParallel: one process per device, gradients averaged every step."""
+"""--strategy ddp: DistributedDataParallel, one process per device, gradients averaged
+every step while backward runs."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from paratrain.config import TrainConfig
 from paratrain.distributed.runtime import Runtime
-from paratrain.errors import AgreedUserError
+from paratrain.errors import AgreedUserError, UserError
+from paratrain.parallel.base import DeviceMemory, MemoryProfile, Strategy, whole_model_memory
 from paratrain.parallel.parts import ModelParts, memory_format_for
 
 # PowerSGD's hook starts collectives from future callbacks; gloo cannot keep those in
@@ -19,25 +21,47 @@ POWERSGD_NEEDS_NCCL = (
 )
 
 
-def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> ModelParts:
-    """The model on this process's device; wrapped in DDP when there are several.
-
-    Every torchvision classifier uses the same parameters every step (auxiliary heads
-    are switched off), so DDP may trace its graph once (``static_graph``) and skip the
-    per-step search for unused parameters. Not when steps run under ``no_sync``
-    (``--grad-accum`` > 1, and bench's communication split, which says so the same way):
-    torch 2.14.1 fails an internal assert (``expect_autograd_hooks_``, reducer.cpp) on
-    the first backward, measured here."""
-    fmt = memory_format_for(model, cfg.memory_format, runtime.device)
-    model = model.to(runtime.device, memory_format=fmt)
-    placed = dict(
-        devices=[runtime.device],
-        replicas=runtime.world_size,
-        replica=runtime.rank,
-        memory_format=fmt,
+class DDP(Strategy):
+    name = "ddp"
+    why = (
+        "the whole model on every device: no parameter traffic, and the gradient "
+        "all-reduce overlaps the backward pass"
     )
-    if runtime.world_size == 1:
-        return ModelParts([model], **placed)
+    speed_order = 0
+
+    def check_machine(self, cfg: TrainConfig, world: int) -> None:
+        from paratrain.distributed.runtime import runs_on_cuda
+
+        if cfg.grad_compression == "powersgd" and not runs_on_cuda(cfg.device):
+            raise UserError(POWERSGD_NEEDS_NCCL)
+
+    def memory(self, profile: MemoryProfile) -> DeviceMemory:
+        return whole_model_memory(self.name, profile, f"batch {profile.batch} per device")
+
+    def wrap(self, model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> ModelParts:
+        """The model on this process's device; wrapped in DDP when there are several.
+
+        Every torchvision classifier uses the same parameters every step (auxiliary
+        heads are switched off), so DDP may trace its graph once (``static_graph``) and
+        skip the per-step search for unused parameters. Not when steps run under
+        ``no_sync`` (``--grad-accum`` > 1, and bench's communication split, which says so
+        the same way): torch 2.14.1 fails an internal assert (``expect_autograd_hooks_``,
+        reducer.cpp) on the first backward, measured here."""
+        fmt = memory_format_for(model, cfg.memory_format, runtime.device)
+        model = model.to(runtime.device, memory_format=fmt)
+        placed = dict(
+            devices=[runtime.device],
+            layout=self.layout(cfg, runtime.world_size, runtime.rank),
+            memory_format=fmt,
+        )
+        if runtime.world_size == 1:
+            return ModelParts([model], **placed)
+        return ModelParts([data_parallel(model, cfg, runtime)], **placed)
+
+
+def data_parallel(model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> DistributedDataParallel:
+    """``model`` in DDP over every rank, its gradient buckets the gradients themselves,
+    compressed as --grad-compression says."""
     device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
     wrapped = DistributedDataParallel(
         model,
@@ -48,7 +72,7 @@ def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> ModelParts:
         static_graph=cfg.grad_accum == 1,
     )
     register_compression(wrapped, cfg.grad_compression)
-    return ModelParts([wrapped], **placed)
+    return wrapped
 
 
 def register_compression(wrapped: DistributedDataParallel, kind: str) -> None:
@@ -67,3 +91,6 @@ def register_compression(wrapped: DistributedDataParallel, kind: str) -> None:
             process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2
         )
         wrapped.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+
+STRATEGY = DDP()

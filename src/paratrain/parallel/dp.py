@@ -17,6 +17,7 @@ from paratrain.config import TrainConfig
 from paratrain.distributed.runtime import Runtime
 from paratrain.errors import UserError
 from paratrain.log import get_logger
+from paratrain.parallel.base import Strategy
 from paratrain.parallel.parts import ModelParts
 
 
@@ -35,14 +36,36 @@ def check_available(world_size: int) -> int:
     return torch.cuda.device_count()
 
 
-def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> ModelParts:
-    """The model on the first GPU, wrapped to split every batch over all of them."""
-    devices = check_available(runtime.world_size)
-    get_logger().info(
-        f"DataParallel over {devices} GPU(s) in one process; --batch-size is split across "
-        "them. DistributedDataParallel (--nproc N) is preferred: no model copy per step, no "
-        "shared GIL, gradient communication overlapped with the backward pass"
-    )
-    first = torch.device("cuda", 0)
-    model = model.to(first)
-    return ModelParts([nn.DataParallel(model, device_ids=list(range(devices)))], devices=[first])
+class DataParallelStrategy(Strategy):
+    name = "dp"
+    why = "one process over every GPU, the model copied to each every step (legacy)"
+    one_process = True
+    one_process_hint = "it drives every GPU from one process; --strategy ddp runs one per GPU"
+    takes = frozenset({"ema", "compile", "fp16"})
+
+    def check_machine(self, cfg: TrainConfig, world: int) -> None:
+        check_available(world)
+
+    def norm_batch(self, cfg: TrainConfig, world: int, gpus: int = 0) -> int:
+        """DataParallel's smallest chunk: torch's scatter cuts chunks of ceil(batch /
+        gpus), so the last may be smaller."""
+        images = super().norm_batch(cfg, world, gpus)
+        if gpus > 1 and cfg.batch_size != "auto":
+            chunk = -(-images // gpus)
+            images = images % chunk or chunk
+        return images
+
+    def wrap(self, model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> ModelParts:
+        """The model on the first GPU, wrapped to split every batch over all of them."""
+        devices = check_available(runtime.world_size)
+        get_logger().info(
+            f"DataParallel over {devices} GPU(s) in one process; --batch-size is split across "
+            "them. DistributedDataParallel (--nproc N) is preferred: no model copy per step, "
+            "no shared GIL, gradient communication overlapped with the backward pass"
+        )
+        first = torch.device("cuda", 0)
+        model = model.to(first)
+        return ModelParts([nn.DataParallel(model, device_ids=list(range(devices)))], devices=[first])
+
+
+STRATEGY = DataParallelStrategy()

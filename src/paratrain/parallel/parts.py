@@ -9,13 +9,14 @@ copies there are, which copy this process is) is given when the parts are constr
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol
 
 import torch
 from torch import nn
 
 from paratrain.models.registry import logits_of
+from paratrain.parallel.base import Layout
 
 
 class StepPrecision(Protocol):
@@ -50,24 +51,24 @@ def memory_format_for(
 
 
 class ModelParts(list):
-    """The model as a list of modules, with where they run and which copy this is.
+    """The model as a list of modules, with where they run and which rank reads what.
 
     ``devices``: one device per module (default: where each module's parameters are);
-    inputs go to the first, labels meet the logits on the last. ``replicas``: the number
-    of data-parallel copies of the whole model (the world size, except that a pipeline's
-    stages together make one copy); ``replica``: which copy this process belongs to.
+    inputs go to the first, labels meet the logits on the last. ``layout``: which rank
+    is which (parallel/base.Layout): ``replicas`` ranks read different batches (the world
+    size, except that a pipeline's stages together read one), this rank is ``replica``.
     """
 
     fixed_batch = False  # True where every training batch must have the full size
     collective_state = False  # True where gathering the state needs every rank
+    fused_optimizer = True  # False where torch's fused optimizer kernels cannot run (DTensor)
 
     def __init__(
         self,
         modules: Iterable[nn.Module],
         *,
         devices: Sequence[torch.device] | None = None,
-        replicas: int = 1,
-        replica: int = 0,
+        layout: Layout | None = None,
         memory_format: torch.memory_format = torch.contiguous_format,
     ):
         super().__init__(modules)
@@ -78,8 +79,18 @@ class ModelParts(list):
         if len(devices) != len(self):
             raise ValueError(f"{len(self)} module(s) but {len(devices)} device(s)")
         self.devices = list(devices)
-        self.replicas, self.replica = replicas, replica
+        self.layout = layout or Layout()
         self.memory_format = memory_format
+
+    @property
+    def replicas(self) -> int:
+        """Ranks reading different batches: what the global batch is a multiple of."""
+        return self.layout.dp_size
+
+    @property
+    def replica(self) -> int:
+        """Which of them this rank is."""
+        return self.layout.dp_rank
 
     @property
     def input_device(self) -> torch.device:
@@ -94,11 +105,7 @@ class ModelParts(list):
     def with_modules(self, modules: Iterable[nn.Module]) -> ModelParts:
         """The same placement around other modules (torch.compile's wrappers)."""
         return ModelParts(
-            modules,
-            devices=self.devices,
-            replicas=self.replicas,
-            replica=self.replica,
-            memory_format=self.memory_format,
+            modules, devices=self.devices, layout=self.layout, memory_format=self.memory_format
         )
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -114,12 +121,16 @@ class ModelParts(list):
         criterion: nn.Module,
         precision: StepPrecision,
         divisor: int,
+        lap: Callable[[str], None] | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """One micro-batch's forward and backward; its loss and logits (None where this
-        process does not produce them). The loss's gradient is divided by ``divisor``."""
+        process does not produce them). The loss's gradient is divided by ``divisor``;
+        ``lap("forward")`` is called between the two (bench times them)."""
         with precision.autocast():
             logits = logits_of(self(images))
             loss = criterion(logits, targets)
+        if lap is not None:
+            lap("forward")
         precision.backward(loss / divisor)
         return loss.detach(), logits.detach()
 
@@ -137,7 +148,7 @@ class ModelParts(list):
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         """A single-device-layout optimizer state, with this optimizer's own implementation flags and each tensor laid out as its parameter."""
-        from paratrain.parallel.unified import load_optimizer, own_implementation
+        from paratrain.parallel.optim_state import load_optimizer, own_implementation
 
         load_optimizer(optimizer, own_implementation(state, optimizer))
 

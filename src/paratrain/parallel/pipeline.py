@@ -4,8 +4,12 @@ Each process holds one stage of the model; every batch is cut into M micro-batch
 flow through the stages with torch.distributed.pipelining's schedules, so that stages
 work on different micro-batches at once. With W = P x D processes there are D copies
 (replicas) of the pipeline: rank r is stage r % P of replica r // P, so one replica's
-stages are neighbours (on one machine with --nproc); each stage's gradients are averaged
-over its D replicas after the schedule's backward, before the optimizer step.
+stages are neighbours (on one machine with --nproc). With D > 1 each stage is sharded
+over its D copies with FSDP2 (torchtitan's pipeline x data parallel), unit by unit: the
+schedule keeps every micro-batch but the last from reducing, and the last one's
+backward reduce-scatters each unit's gradients as soon as that unit is done, while the
+rest of backward runs — no all-reduce by hand after it. (DistributedDataParallel around
+a stage fails or goes wrong in torch 2.14.1: tests/e2e/test_upstream.py.)
 
 Every stage of a replica reads the same batches (the first needs the images, the last
 the labels); the data is sharded over replicas, not processes. The loss, logits and
@@ -14,17 +18,19 @@ evaluation counts come from the last stage only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from paratrain.config import TrainConfig
-from paratrain.config.train import check_pipeline_world
 from paratrain.distributed import comm
 from paratrain.distributed.runtime import Runtime
 from paratrain.errors import AgreedUserError, UserError
 from paratrain.log import get_logger
-from paratrain.parallel import partition, unified
+from paratrain.parallel import optim_state, partition
+from paratrain.parallel.base import DeviceMemory, Layout, MemoryProfile, Strategy, staged_memory
 from paratrain.parallel.parts import ModelParts, StepPrecision
 
 
@@ -54,8 +60,7 @@ class PipelineParts(ModelParts):
         module,
         schedule,
         loss,
-        stage,
-        stages,
+        layout: Layout,
         dp_group,
         full_names,
         runtime: Runtime,
@@ -63,16 +68,14 @@ class PipelineParts(ModelParts):
     ):
         # contiguous: the receive buffers for gradients would take channels_last strides,
         # which gloo and NCCL refuse (torch 2.14)
-        super().__init__(
-            [module],
-            devices=[runtime.device],
-            replicas=runtime.world_size // stages,
-            replica=runtime.rank // stages,
-        )
-        self.schedule, self.loss, self.stage, self.stages = schedule, loss, stage, stages
+        super().__init__([module], devices=[runtime.device], layout=layout)
+        self.schedule, self.loss = schedule, loss
+        self.stage, self.stages = layout.stage, layout.stages
         self.dp_group, self.full_names = dp_group, full_names
-        self.local_names = unified.trainable_names(module, split)
-        self.first, self.last = stage == 0, stage == stages - 1
+        self.local_names = optim_state.trainable_names(module, split)
+        self.first, self.last = self.stage == 0, self.stage == self.stages - 1
+        self.sharded = self.replicas > 1  # the stage's copies share its parameters (FSDP2)
+        self.fused_optimizer = not self.sharded  # no fused kernel over DTensors (torch 2.14)
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor | None:
         """Forward only (evaluation): the logits on the last stage, None before it."""
@@ -89,8 +92,11 @@ class PipelineParts(ModelParts):
         criterion: nn.Module,
         precision: StepPrecision,
         divisor: int,
+        lap: Callable[[str], None] | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """One micro-batched schedule step: the first stage feeds images, the last computes the loss and returns it with the logits; the others return nothing."""
+        """One micro-batched schedule step: the first stage feeds images, the last
+        computes the loss and returns it with the logits; the others return nothing.
+        Forward and backward interleave, so ``lap`` is not called: it is all backward."""
         self.loss.criterion, self.loss.divisor = criterion, divisor
         losses: list[torch.Tensor] = []
         with precision.autocast():
@@ -105,19 +111,6 @@ class PipelineParts(ModelParts):
         loss = torch.stack([x.detach().float() for x in losses]).mean() * scale
         return loss, logits.detach()
 
-    def after_backward(self) -> None:
-        """Average this stage's gradients over its replicas, in one flat all-reduce."""
-        if self.replicas == 1:
-            return
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.dp_group)
-        flat /= self.replicas
-        offset = 0
-        for grad in grads:
-            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
-
     def agree_buffers(self) -> None:
         """Each stage's copies take replica 0's buffers (BatchNorm statistics)."""
         if self.replicas == 1:
@@ -125,42 +118,71 @@ class PipelineParts(ModelParts):
         for buffer in self[0].buffers():
             dist.broadcast(buffer, src=self.stage, group=self.dp_group)  # replica 0's rank
 
+    def _whole(self):
+        """Options for whole tensors of this stage on every rank that holds it (gathered
+        from its copies' shards where the stage is sharded)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(full_state_dict=True)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Rank 0 gets the whole model's state dict (replica 0's stages); others {}."""
-        own = super().state_dict() if self.replica == 0 else {}
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        stage = get_model_state_dict(self[0], options=self._whole())  # a collective
+        own = {k: v.detach().cpu() for k, v in stage.items()} if self.replica == 0 else {}
         merged: dict[str, torch.Tensor] = {}
         for part in _gather_to_main(own):
             merged.update(part)
         return merged
 
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """A whole-model state dict: each stage takes its own keys (its copies their
+        shards of them)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        own = {k: v for k, v in state.items() if k in self[0].state_dict()}
+        set_model_state_dict(self[0], own, options=StateDictOptions(full_state_dict=True))
+
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        """The whole model's optimizer state on rank 0, merged from replica 0's stages (a collective)."""
-        own = (
-            unified.by_name(optimizer.state_dict(), self.local_names) if self.replica == 0 else None
-        )
+        """The whole model's optimizer state on rank 0, merged from replica 0's stages
+        (a collective)."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        named = get_optimizer_state_dict(self[0], optimizer, options=self._whole())
+        own = _on_cpu(named) if self.replica == 0 else None
         stages = [part for part in _gather_to_main(own) if part is not None]
         if not comm.is_main():
             return {}
-        return unified.by_index(unified.merge_named(stages, self.full_names), self.full_names)
+        merged = optim_state.merge_named(stages, self.full_names)
+        return optim_state.by_index(merged, self.full_names)
 
     def sharded_state(
         self, optimizer: torch.optim.Optimizer
     ) -> tuple[dict[str, torch.Tensor], list[dict]]:
-        """This stage's tensors, under the whole model's names: a stage's keys are its
-        own, and replicas of a stage hold the same keys (DCP writes them once)."""
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        """This stage's tensors (its copies' shards, as DTensors), under the whole
+        model's names: a stage's keys are its own, and replicas of a stage hold the same
+        keys (DCP writes each part once)."""
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
 
         named = get_optimizer_state_dict(self[0], optimizer)
-        model = {k: v.detach() for k, v in self[0].state_dict().items()}
-        return unified.flatten(model, named), named["param_groups"]
+        model = {k: v.detach() for k, v in get_model_state_dict(self[0]).items()}
+        return optim_state.flatten(model, named), named["param_groups"]
 
     def load_sharded_state(
         self, optimizer: torch.optim.Optimizer, flat: dict[str, torch.Tensor], groups: list
     ) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-        model, named = unified.unflatten(flat, groups)
-        self[0].load_state_dict(model, strict=True)
+        model, named = optim_state.unflatten(flat, groups)
+        own = self[0].state_dict()  # copied into the live tensors (or shards)
+        with torch.no_grad():
+            for name, value in model.items():
+                if own[name] is not value:
+                    own[name].copy_(value)
         mine = set(self.local_names)
         named = {
             "state": named["state"],
@@ -169,7 +191,7 @@ class PipelineParts(ModelParts):
                 for g in named["param_groups"]
             ],
         }
-        named = unified.own_implementation(named, optimizer)
+        named = optim_state.own_implementation(named, optimizer)
         set_optimizer_state_dict(self[0], optimizer, named)
 
     def gather_groups(self, groups: list[dict]) -> list[dict]:
@@ -185,8 +207,37 @@ class PipelineParts(ModelParts):
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         """This stage's share of a whole-model optimizer state."""
-        named = unified.by_name(unified.own_implementation(state, optimizer), self.full_names)
-        unified.load_optimizer(optimizer, unified.by_index(named, self.local_names))
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        named = optim_state.by_name(optim_state.own_implementation(state, optimizer), self.full_names)
+        if not self.sharded:
+            optim_state.load_optimizer(optimizer, optim_state.by_index(named, self.local_names))
+            return
+        mine = set(self.local_names)
+        own = {
+            "state": {k: v for k, v in named["state"].items() if k in mine},
+            "param_groups": [
+                {**g, "params": [n for n in g["params"] if n in mine]}
+                for g in named["param_groups"]
+            ],
+        }
+        set_optimizer_state_dict(
+            self[0], optimizer, own, options=StateDictOptions(full_state_dict=True)
+        )
+
+
+def _on_cpu(value):
+    """Every tensor in a nested state dict moved to the CPU (what rank 0 gathers)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _on_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_on_cpu(v) for v in value]
+    return value
 
 
 def _gather_to_main(obj) -> list:
@@ -195,57 +246,132 @@ def _gather_to_main(obj) -> list:
     return gathered or []
 
 
-def apply(model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> PipelineParts:
-    """This process's stage of the model, in a schedule over micro-batches."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-    stages, world = cfg.stages, runtime.world_size
-    try:  # every rank alike: told once
-        check_pipeline_world(world, stages)
-    except UserError as exc:
-        raise AgreedUserError(str(exc)) from None
-    replicas = world // stages
-    stage, replica = runtime.rank % stages, runtime.rank // stages
-    # every rank creates every group, in the same order (new_group is collective)
-    pipe_groups = [dist.new_group([r * stages + s for s in range(stages)]) for r in range(replicas)]
-    dp_groups = [dist.new_group([r * stages + s for r in range(replicas)]) for s in range(stages)]
-    full_names = unified.trainable_names(model, unified.splits_decay(cfg))
-    try:  # the same model and flags on every rank: the same error, told once
-        traced = partition.trace(model, cfg.model)
-        starts = partition.user_starts(traced, stages, cfg.split_point_list(), cfg.model)
-    except UserError as exc:
-        raise AgreedUserError(str(exc)) from None
-    # rank 0 measures and decides; timings differ between processes, the cut must not
-    if runtime.is_main:
-        micro = cfg.batch_size // cfg.microbatches  # what a stage computes at once
-        partition.measure(
-            traced, partition.sample_images(cfg.train_size, micro, torch.contiguous_format)
-        )
-        if starts is None:  # the whole batch's activations: GPipe's case, 1F1B's bound
-            slots = partition.optimizer_slots(cfg.opt, cfg.momentum)
-            limit = partition.device_memory(runtime.device)
-            starts = partition.choose_starts(traced, stages, cfg.batch_size, slots, limit)
-        where = [
-            f"rank {s}" + (f" (and {replicas - 1} replica(s))" if replicas > 1 else "")
-            for s in range(stages)
-        ]
-        plans = partition.describe(traced, starts)
-        get_logger().info(partition.format_plan(plans, where, max(2, micro)))
-    starts = comm.broadcast_object(starts)
-    module = partition.build_stages(traced, starts, contiguous_outputs=True)[stage]
-    module = module.to(runtime.device)
-    pipe_stage = PipelineStage(module, stage, stages, runtime.device, group=pipe_groups[replica])
-    loss = _Loss(cfg.microbatches)
-    kind = ScheduleGPipe if cfg.schedule == "gpipe" else Schedule1F1B
-    schedule = kind(pipe_stage, n_microbatches=cfg.microbatches, loss_fn=loss, scale_grads=False)
-    return PipelineParts(
-        module,
-        schedule,
-        loss,
-        stage,
-        stages,
-        dp_groups[stage],
-        full_names,
-        runtime,
-        unified.splits_decay(cfg),
+class Pipeline(Strategy):
+    name = "pipeline"
+    why = (
+        "one stage per device, micro-batches in flight; the pipeline's fill and drain "
+        "leave each device idle (P-1)/(M+P-1) of the time"
     )
+    min_world = 2
+    min_devices = 2
+    sharded_checkpoint = True
+    speed_order = 2
+    takes = frozenset()
+
+    def check_settings(self, cfg: TrainConfig, world: int | None) -> None:
+        super().check_settings(cfg, world)
+        if cfg.schedule == "1f1b" and cfg.microbatches < cfg.stages:
+            raise UserError(
+                f"--schedule 1f1b needs at least as many micro-batches as stages "
+                f"(--microbatches {cfg.microbatches}, --stages {cfg.stages})"
+            )
+        if cfg.batch_size != "auto" and cfg.batch_size % cfg.microbatches:
+            raise UserError(
+                f"--batch-size {cfg.batch_size} must divide into --microbatches "
+                f"{cfg.microbatches} equal micro-batches"
+            )
+        if world is not None and world > 1 and world % cfg.stages:
+            raise UserError(
+                f"--strategy pipeline: {world} process(es) do not divide into {cfg.stages} "
+                f"stages (world size = stages x replicas; e.g. --nproc {cfg.stages} or "
+                f"{2 * cfg.stages})"
+            )
+
+    def layout(self, cfg: TrainConfig, world: int, rank: int = 0, per_node: int = 0) -> Layout:
+        stages = cfg.stages if world % cfg.stages == 0 else world  # refused by check_settings
+        return Layout(world, rank, replicate=world // stages, stages=stages)
+
+    def norm_batch(self, cfg: TrainConfig, world: int, gpus: int = 0) -> int:
+        """A stage's BatchNorm sees one micro-batch at a time."""
+        if cfg.batch_size == "auto":
+            return 2
+        return cfg.batch_size // cfg.microbatches
+
+    def memory(self, profile: MemoryProfile) -> DeviceMemory:
+        return staged_memory(self.name, profile, pipelined=True)
+
+    def wrap(self, model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> PipelineParts:
+        """This process's stage of the model, in a schedule over micro-batches."""
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        try:  # every rank alike: told once
+            self.check_settings(cfg, runtime.world_size)
+        except UserError as exc:
+            raise AgreedUserError(str(exc)) from None
+        from torch.distributed.device_mesh import init_device_mesh
+
+        layout = self.layout(cfg, runtime.world_size, runtime.rank)
+        stages, replicas = layout.stages, layout.dp_size
+        # ranks as (copy, stage), stages innermost: the layout's order; every rank builds
+        # every group of the mesh alike (creating one is collective)
+        mesh = init_device_mesh(
+            runtime.device.type, (replicas, stages), mesh_dim_names=("dp", "pp")
+        )
+        full_names = optim_state.trainable_names(model, optim_state.splits_decay(cfg))
+        try:  # the same model and flags on every rank: the same error, told once
+            traced = partition.trace(model, cfg.model)
+            starts = partition.user_starts(traced, stages, cfg.split_point_list(), cfg.model)
+        except UserError as exc:
+            raise AgreedUserError(str(exc)) from None
+        # rank 0 measures and decides; timings differ between processes, the cut must not
+        if runtime.is_main:
+            micro = cfg.batch // cfg.microbatches  # what a stage computes at once
+            partition.measure(
+                traced, partition.sample_images(cfg.train_size, micro, torch.contiguous_format)
+            )
+            if starts is None:  # the whole batch's activations: GPipe's case, 1F1B's bound
+                slots = partition.optimizer_slots(cfg.opt, cfg.momentum)
+                limit = partition.device_memory(runtime.device)
+                starts = partition.choose_starts(traced, stages, cfg.batch, slots, limit)
+            where = [
+                f"rank {s}" + (f" (and {replicas - 1} replica(s))" if replicas > 1 else "")
+                for s in range(stages)
+            ]
+            plans = partition.describe(traced, starts)
+            get_logger().info(partition.format_plan(plans, where, max(2, micro)))
+        starts = comm.broadcast_object(starts)
+        module = partition.build_stages(traced, starts, contiguous_outputs=True)[layout.stage]
+        module = module.to(runtime.device)
+        if replicas > 1:  # the stage's copies reduce its gradients while backward runs
+            units = partition.stage_units(traced, starts)[layout.stage]
+            _shard_stage(module, [unit.name for unit in units], mesh["dp"])
+        pipe_stage = PipelineStage(
+            module, layout.stage, stages, runtime.device, group=mesh.get_group("pp")
+        )
+        loss = _Loss(cfg.microbatches)
+        kind = ScheduleGPipe if cfg.schedule == "gpipe" else Schedule1F1B
+        schedule = kind(pipe_stage, n_microbatches=cfg.microbatches, loss_fn=loss, scale_grads=False)
+        return PipelineParts(
+            module,
+            schedule,
+            loss,
+            layout,
+            mesh.get_group("dp"),
+            full_names,
+            runtime,
+            optim_state.splits_decay(cfg),
+        )
+
+
+def _shard_stage(module: nn.Module, units: list[str], dp_mesh) -> None:
+    """The stage sharded over its copies, each unit of it (a block) its own FSDP2 group,
+    so that its gradients are reduced as soon as its backward is done, then the rest.
+    The traced stage calls a block's layers, not the block (torch.fx traces into it), so a
+    group is the list of the unit's layers that hold parameters. Parameters stay gathered
+    between a micro-batch's forward and its backward (``reshard_after_forward=False``:
+    one all-gather per step, not one per micro-batch)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for name in units:
+        layers = [
+            layer
+            for path, layer in module.named_modules()
+            if (path == name or path.startswith(name + "."))
+            and any(True for _ in layer.parameters(recurse=False))
+        ]
+        if layers:
+            fully_shard(layers, mesh=dp_mesh, reshard_after_forward=False)
+    fully_shard(module, mesh=dp_mesh, reshard_after_forward=False)
+
+
+STRATEGY = Pipeline()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
@@ -25,50 +26,59 @@ def write_run_files(cfg: TrainConfig, split: DataSplit, run_dir: Path) -> None:
     (run_dir / "class_indices.json").write_text(json.dumps(split.class_index(), indent=2) + "\n")
 
 
-def announce(
-    cfg: TrainConfig,
-    split: DataSplit,
-    run_dir: Path,
-    runtime: Runtime,
-    *,
-    workers: int,
-    cached: bool,
-    replicas: int,
-    global_batch: int,
-    schedule: str,
-    precision: str,
-) -> None:
-    """What is about to run: data, model, processes, batch, the learning rates (peak,
-    warm-up, end), recipe, precision."""
-    log = get_logger()
-    log.info(
-        f"run {run_dir}: {cfg.model} at {cfg.train_size}px, {len(split.classes)} classes, "
-        f"{len(split.train)} train / {len(split.val)} val images, {runtime.world_size} "
-        f"process(es) on {runtime.device.type} ({runtime.backend or 'no process group'}), "
-        f"{workers} loader worker(s), "
-        f"{'decoded-image cache' if cached else 'decoding every epoch'}"
-    )
-    accum = f" x {cfg.grad_accum} micro-batches" if cfg.grad_accum > 1 else ""
-    log.info(
-        f"global batch {global_batch} ({cfg.batch_size} x {replicas}{accum}), {cfg.opt} "
-        f"{schedule}" + _recipe_words(cfg)
-    )
-    log.info(
-        f"precision {precision}"
-        + (" (auto)" if cfg.precision == "auto" else "")
-        + (", torch.compile (the first steps compile)" if cfg.compile else "")
-    )
+@dataclass
+class RunFacts:
+    """What a run is: the lines `train --dry-run` prints under "would run:" and the run
+    prints when it starts, made once (engine/describe.py) for both."""
+
+    processes: str
+    device: str
+    data: str
+    model: str
+    global_batch: str
+    schedule: str
+    precision: str
+    cache: str
+    recipe: str = ""
+    resume: str = ""
+    chosen: list[str] = field(default_factory=list)
+    warning: str = ""
+
+    def lines(self) -> list[str]:
+        rows = [
+            ("processes", self.processes),
+            ("device", self.device),
+            ("data", self.data),
+            ("model", self.model),
+            ("global batch", self.global_batch),
+            ("schedule", self.schedule),
+            ("recipe", self.recipe),
+            ("precision", self.precision),
+            ("decoded-image cache", self.cache),
+            ("resume", self.resume),
+            *(("chosen", choice) for choice in self.chosen),
+            ("warning", self.warning),
+        ]
+        return [f"  {name}: {value}" for name, value in rows if value]
 
 
-def _recipe_words(cfg: TrainConfig) -> str:
+def announce(run_dir: Path, facts: RunFacts) -> None:
+    """What is about to run, as the dry run would have said it."""
+    get_logger().info("\n".join([f"run {run_dir}:", *facts.lines()]))
+
+
+def recipe_words(cfg: TrainConfig) -> str:
+    """The recipe options that are on, in words (empty when none is)."""
     words = [
         f"label smoothing {cfg.label_smoothing:g}" if cfg.label_smoothing else "",
         f"mixup {cfg.mixup:g}" if cfg.mixup else "",
         f"cutmix {cfg.cutmix:g}" if cfg.cutmix else "",
         f"EMA decay {cfg.ema_decay:g}" if cfg.ema_decay else "",
+        f"{cfg.auto_augment}" if cfg.auto_augment != "none" else "",
+        f"random erasing {cfg.random_erase:g}" if cfg.random_erase else "",
+        f"repeated augmentation x{cfg.ra_reps}" if cfg.ra_reps > 1 else "",
     ]
-    words = [w for w in words if w]
-    return ", " + ", ".join(words) if words else ""
+    return ", ".join(w for w in words if w)
 
 
 def progress_bar(runtime: Runtime, total: int, epoch: int, epochs: int) -> tqdm | None:

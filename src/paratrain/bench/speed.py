@@ -1,30 +1,31 @@
 """`paratrain bench`: training-step speed on synthetic data already on the device.
 
-Each timed step is split into data (taking the next batch from a pool on the device),
-forward, backward and optimizer. With DDP the backward pass also carries the gradient
+The step timed is the training loop's own (engine/step.py), with the run's strategy,
+optimizer and precision. Each is split into data (taking the next batch from a pool on
+the device), forward, backward and optimizer. With DDP the backward pass also carries the gradient
 all-reduce, overlapped with it; communication is measured as the median synced step
 minus the median step of the same work under ``no_sync`` (gradients kept local).
 """
 
 from __future__ import annotations
 
-import contextlib
+import json
 import resource
 import statistics
 import time
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import torch
-from torch import nn
 
-from paratrain.config import TrainConfig
+from paratrain.config import BenchOptions, TrainConfig
 from paratrain.distributed import comm
+from paratrain.distributed.env import DistEnv
 from paratrain.distributed.runtime import Runtime
 from paratrain.engine import precision as precision_module
-from paratrain.engine.precision import Precision
-from paratrain.engine.recipe import build_optimizer
-from paratrain.models.registry import build_model, logits_of
-from paratrain.parallel import ModelParts, parallelize
+from paratrain.engine.recipe import build_optimizer, build_recipe
+from paratrain.engine.step import Stepper, train_step
+from paratrain.parallel.parallelize import build_parts
 
 PHASES = ("data", "forward", "backward", "optimizer")
 
@@ -63,65 +64,56 @@ def _peak_memory_mb(device: torch.device) -> float:
 
 @dataclass
 class _Setup:
-    parts: ModelParts
-    optimizer: torch.optim.Optimizer
-    precision: Precision
+    stepper: Stepper
     pool: list[tuple[torch.Tensor, torch.Tensor]]
-    criterion: nn.Module
     device: torch.device
 
 
 def _prepare(cfg: TrainConfig, runtime: Runtime, classes: int = 10) -> _Setup:
+    """The run's own model, strategy, optimizer and recipe, and a pool of synthetic
+    batches already on the device."""
     # steps under no_sync split out the communication: for DDP that is what gradient
     # accumulation does (no static graph, see parallel/ddp.py)
-    parts = parallelize(build_model(cfg, classes), replace(cfg, grad_accum=2), runtime)
+    accumulating = replace(cfg, grad_accum=2)
+    parts = build_parts(accumulating, classes, runtime)
     pool = [
         (
-            torch.randn(
-                cfg.batch_size, 3, cfg.image_size, cfg.image_size, device=runtime.device
-            ).to(memory_format=parts.memory_format),
-            torch.randint(0, classes, (cfg.batch_size,), device=runtime.device),
+            torch.randn(cfg.batch, 3, cfg.image_size, cfg.image_size, device=runtime.device).to(
+                memory_format=parts.memory_format
+            ),
+            torch.randint(0, classes, (cfg.batch,), device=runtime.device),
         )
         for _ in range(2)
     ]
     parts.train()
     precision = precision_module.build(cfg, runtime)
+    recipe = build_recipe(cfg, parts, classes, precision)
     precision.prepare(parts)
-    return _Setup(
-        parts,
-        build_optimizer(parts, cfg, runtime.world_size),
-        precision,
-        pool,
-        nn.CrossEntropyLoss(),
-        runtime.device,
-    )
+    optimizer = build_optimizer(parts, cfg, runtime.world_size)
+    return _Setup(Stepper(parts, optimizer, recipe), pool, runtime.device)
 
 
 def _timed_step(setup: _Setup, index: int, synced: bool = True) -> tuple[dict[str, float], float]:
-    """One training step; seconds per phase, and the clock when backward started."""
-    times = {}
+    """One training step (engine/step.py); seconds per phase, and the clock when
+    backward started."""
+    times: dict[str, float] = {}
     mark = time.perf_counter()
+    started: list[float] = []
 
     def lap(name: str) -> None:
         nonlocal mark
         _sync(setup.device)
         now = time.perf_counter()
-        times[name] = now - mark
+        times[name] = times.get(name, 0.0) + now - mark
         mark = now
+        if name == "forward":
+            started.append(now)
 
-    images, labels = setup.pool[index % len(setup.pool)]
-    lap("data")
-    with setup.precision.autocast():
-        loss = setup.criterion(logits_of(setup.parts(images)), labels)
-    lap("forward")
-    backward_start = mark
-    with setup.parts.no_sync() if not synced else contextlib.nullcontext():
-        setup.precision.backward(loss)
-    lap("backward")
-    setup.precision.step(setup.optimizer)
-    setup.optimizer.zero_grad(set_to_none=True)
-    lap("optimizer")
-    return times, backward_start
+    batch = setup.pool[index % len(setup.pool)]
+    train_step(setup.stepper, [batch], 1, sync=synced, lap=lap)
+    for phase in PHASES:
+        times.setdefault(phase, 0.0)
+    return times, started[0] if started else mark
 
 
 def run_bench(cfg: TrainConfig, runtime: Runtime, steps: int, warmup: int) -> BenchResult | None:
@@ -151,13 +143,13 @@ def run_bench(cfg: TrainConfig, runtime: Runtime, steps: int, warmup: int) -> Be
     if not runtime.is_main:
         return None
     slowest = {key: max(r[key] for r in every) for key in mine}
-    per_process = cfg.batch_size / slowest["step"]
+    per_process = cfg.batch / slowest["step"]
     return BenchResult(
         model=cfg.model,
         image_size=cfg.image_size,
-        batch_size=cfg.batch_size,
+        batch_size=cfg.batch,
         world_size=runtime.world_size,
-        precision=setup.precision.mode,
+        precision=setup.stepper.recipe.precision.mode,
         device=runtime.device.type,
         steps=steps,
         step_ms=1000 * slowest["step"],
@@ -180,7 +172,7 @@ def gradient_order(
     and its bytes on the wire, in the order backward produces them: what the cost model
     needs to place DDP's buckets inside backward."""
     setup = _prepare(cfg, runtime)
-    params = [p for p in setup.parts.parameters() if p.requires_grad]
+    params = [p for p in setup.stepper.parts.parameters() if p.requires_grad]
     ready: dict[int, list[float]] = {i: [] for i in range(len(params))}
 
     def recorder(index: int):
@@ -221,3 +213,22 @@ def format_result(result: BenchResult) -> str:
         f"  peak memory {r['peak_memory_mb']:.0f} MB",
     ]
     return "\n".join(lines)
+
+
+def bench_worker(cfg: TrainConfig, opts: BenchOptions, env: DistEnv) -> BenchResult | None:
+    """This process's share of `paratrain bench`: the timed steps, and with
+    ``sweep_bytes`` all-reduce timings up to that size; ``result_file`` receives both
+    as JSON (how `paratrain scale` collects the runs it launches)."""
+    from paratrain.bench.collectives import sweep_all_reduce
+    from paratrain.distributed.runtime import distributed
+
+    with distributed(env, cfg.device, cfg.backend, cfg.timeout) as runtime:
+        result = run_bench(cfg, runtime, opts.steps, opts.warmup)
+        sweep = None
+        if opts.sweep_bytes and runtime.world_size > 1:
+            sweep = sweep_all_reduce(opts.sweep_bytes)
+    if opts.result_file and result is not None:
+        Path(opts.result_file).write_text(
+            json.dumps({"bench": asdict(result), "all_reduce": sweep})
+        )
+    return result

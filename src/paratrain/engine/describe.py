@@ -1,0 +1,162 @@
+"""The description of a run: what `train --dry-run` prints and what a run says when it
+starts, made by one function from the same facts.
+
+The dry run finds the facts without running anything (the data listed, the cache
+surveyed, the checkpoint --resume names read and checked); the run reads them off what
+it built (its loaders, its cache, its model's parts).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from paratrain.config import TrainConfig
+from paratrain.data.folder import DataSplit
+from paratrain.distributed.env import DistEnv
+from paratrain.engine.schedule import describe_schedule, peak_lr
+from paratrain.parallel import get as strategy_of
+from paratrain.report.run_files import RunFacts, recipe_words
+
+
+def run_facts(
+    cfg: TrainConfig,
+    *,
+    processes: str,
+    world: int,
+    cuda: bool,
+    backend: str | None,
+    data: str,
+    precision: str,
+    cache: str,
+    resume: str = "",
+    chosen: list[str] | None = None,
+    warning: str = "",
+) -> RunFacts:
+    """The facts of a run of ``cfg`` over ``world`` processes."""
+    layout = strategy_of(cfg.strategy).layout(cfg, world)
+    replicas = layout.dp_size
+    accum = f" x {cfg.grad_accum} micro-batches" if cfg.grad_accum > 1 else ""
+    return RunFacts(
+        processes=processes,
+        device=(
+            f"{'cuda' if cuda else 'cpu'}, backend "
+            f"{backend or 'none (one process)'}, strategy {cfg.strategy}"
+        ),
+        data=data,
+        model=(
+            f"{cfg.model}, trained at {cfg.train_size}px, evaluated at {cfg.eval_crop}px "
+            f"(resized to {cfg.eval_resize})"
+        ),
+        global_batch=(
+            f"{cfg.batch * replicas * cfg.grad_accum} ({cfg.batch} x {replicas} "
+            f"replica(s){accum})"
+        ),
+        schedule=f"{cfg.opt}, {describe_schedule(peak_lr(cfg, replicas), cfg)}",
+        recipe=recipe_words(cfg),
+        precision=precision + (" (auto)" if cfg.precision == "auto" else "")
+        + (", torch.compile (the first steps compile)" if cfg.compile else ""),
+        cache=cache,
+        resume=resume,
+        chosen=chosen or [],
+        warning=warning,
+    )
+
+
+def data_words(cfg: TrainConfig, split: DataSplit) -> str:
+    """The data as a run sees it: classes and images on each side of the split."""
+    return (
+        f"{cfg.data}: {len(split.classes)} classes, {len(split.train)} train / "
+        f"{len(split.val)} val images ({split.layout})"
+    )
+
+
+def dry_run(
+    cfg: TrainConfig,
+    env: DistEnv,
+    unwritten: Path | None = None,
+    chosen: list[str] | None = None,
+) -> str:
+    """What `train --dry-run` prints: the resolved config, then what would run.
+    ``unwritten``: where the embedded digits set would first be written."""
+    import torch
+
+    from paratrain.data.cache import survey
+    from paratrain.data.folder import build_split
+    from paratrain.distributed.runtime import resolve_precision, runs_on_cuda
+    from paratrain.engine.preflight import check_model_input, job_world, oversubscribed
+
+    world = job_world(cfg, env)
+    launched = env.source == "single" and world > 1
+    cuda = runs_on_cuda(cfg.device)
+    check_model_input(cfg, world)
+    if unwritten is not None:
+        data = f"the embedded digits set, written to {unwritten} by the first run"
+        cache = "decided once the digits set is written"
+        resume = ""
+    else:
+        split = build_split(cfg.data, cfg.val_fraction, cfg.split_seed)
+        data = data_words(cfg, split)
+        plan = survey(
+            split.train + split.val,
+            cfg.image_size,
+            cfg.cache,
+            cfg.cache_max_gb,
+            cfg.cache_dir,
+            short=cfg.stored_size,
+        )
+        cache = {
+            "ready": f"ready ({plan.nbytes / 2**30:.2f} GB at {plan.directory})",
+            "build": f"would be built: {plan.nbytes / 2**30:.2f} GB at {plan.directory}",
+            "skip": f"off ({plan.reason})",
+        }[plan.action]
+        resume = resumable(cfg, split.classes)
+    facts = run_facts(
+        cfg,
+        processes=(
+            f"{world} processes started here by torch's elastic launcher (c10d rendezvous)"
+            if launched
+            else f"{world} process(es) ({env.source})"
+        ),
+        world=world,
+        cuda=cuda,
+        backend=(cfg.backend or ("nccl" if cuda else "gloo")) if world > 1 else None,
+        data=data,
+        precision=resolve_precision(cfg.precision, torch.device("cuda" if cuda else "cpu")),
+        cache=cache,
+        resume=resume,
+        chosen=chosen,
+        warning=(oversubscribed(cfg) or "") if launched else "",
+    )
+    return "\n".join(
+        [
+            "paratrain train --dry-run: checked; nothing was run.",
+            "resolved config:",
+            *("  " + line for line in yaml.safe_dump(cfg.to_dict(), sort_keys=False).splitlines()),
+            "would run:",
+            *facts.lines(),
+        ]
+    )
+
+
+def resumable(cfg: TrainConfig, classes: list[str]) -> str:
+    """What --resume would continue, checked as the run would check it."""
+    from paratrain.engine import checkpoint, run_dir
+
+    if cfg.resume is None:
+        return "no (a new run)"
+    if cfg.resume == "auto":
+        found = run_dir.find_resumable(Path(cfg.output_dir), cfg.name)
+        if found is None:
+            return "auto: nothing to resume yet (a new run)"
+    else:
+        found = run_dir.resume_target(cfg.resume)
+    saved = checkpoint.read_for_resume(found)
+    _, changed = checkpoint.check_resumable(saved, cfg, classes, found)
+    progress = saved.progress
+    step = f", step {progress.step_in_epoch}" if progress.step_in_epoch else ""
+    also = f"; changed: {', '.join(changed)}" if changed else ""
+    if progress.epoch >= cfg.epochs:
+        also += f"; nothing left to train at --epochs {cfg.epochs}"
+    return f"{found} at epoch {progress.epoch + 1}{step}{also}"

@@ -1,0 +1,127 @@
+"""Everything a run can be found wrong about before any process starts, checked once.
+
+The launcher (or the single process) runs these before it starts workers, so a mistake
+is one line, once, and never N lines or a hang on other ranks: files and folders, the
+data's layout, the weights, the packages an option needs, what the machine's devices
+can run, the strategy's own rules, and the model against its input size. Launched
+workers find ``PARATRAIN_CHECKED`` set and do not check again.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from paratrain.config import TrainConfig
+from paratrain.distributed.env import DistEnv, detect
+from paratrain.distributed.launch import CHECKED
+from paratrain.errors import UserError
+from paratrain.parallel import get as strategy_of
+
+
+def already_checked() -> bool:
+    """Whether the launcher that started this process checked the run already."""
+    return bool(os.environ.get(CHECKED))
+
+
+def preflight(cfg: TrainConfig, world: int) -> None:
+    """What every rank would otherwise find wrong at once, checked here, for a job of
+    ``world`` processes."""
+    from paratrain.data.folder import build_split
+    from paratrain.engine.run_dir import check_run_dir_free
+
+    check_settings(cfg, world)
+    cfg.check_paths()
+    check_run_dir_free(cfg)
+    build_split(cfg.data, cfg.val_fraction, cfg.split_seed)
+    if cfg.weights:
+        from paratrain.models.registry import read_state_dict
+
+        read_state_dict(cfg.weights)
+    check_extras(cfg)
+    check_devices(cfg, world)
+    check_model_input(cfg, world)
+
+
+def check_settings(cfg: TrainConfig, world: int | None) -> None:
+    """The rules of the chosen strategy (parallel/<name>.py), for ``world`` processes
+    where known."""
+    if cfg.strategy != "auto":
+        strategy_of(cfg.strategy).check_settings(cfg, world)
+
+
+# settings that need a package besides paratrain's own: (module, pip extra, when)
+EXTRAS = (
+    ("timm", "paratrain[timm]", lambda cfg: cfg.model.startswith("timm/"), "--model timm/..."),
+    ("timm", "paratrain[timm]", lambda cfg: cfg.opt in ("lars", "lamb"), "--opt lars and lamb"),
+    ("tensorboard", "tensorboard", lambda cfg: cfg.tensorboard, "--tensorboard"),
+)
+
+
+def check_extras(cfg: TrainConfig) -> None:
+    """An option whose package is not installed: one line naming what to install."""
+    for module, extra, wanted, what in EXTRAS:
+        if wanted(cfg) and importlib.util.find_spec(module) is None:
+            raise UserError(f"{what} needs the {module} package: pip install '{extra}'")
+
+
+def check_devices(cfg: TrainConfig, world: int) -> None:
+    """Options this machine's devices cannot run, refused once here, not by every rank."""
+    import torch
+
+    from paratrain.distributed.runtime import choose_device, resolve_precision, runs_on_cuda
+
+    if cfg.device is not None:
+        choose_device(DistEnv(), cfg.device)  # a CUDA device this machine lacks: one line
+    cuda = runs_on_cuda(cfg.device)
+    if cfg.strategy != "auto":
+        strategy_of(cfg.strategy).check_machine(cfg, world)
+    if cuda:
+        gpus = torch.cuda.device_count()
+        if cfg.nproc != "auto" and cfg.nproc > gpus and cfg.device in (None, "cuda"):
+            raise UserError(
+                f"--nproc {cfg.nproc} needs {cfg.nproc} GPUs and this machine has {gpus}: "
+                f"NCCL cannot run two ranks on one GPU; use --nproc {gpus}, or --device cpu "
+                "(gloo on the CPU)"
+            )
+        return
+    resolve_precision(cfg.precision, torch.device("cpu"))  # 16-mixed: the one-line error
+    if cfg.backend == "nccl":
+        raise UserError("--backend nccl needs CUDA devices; use gloo on CPU")
+
+
+def check_model_input(cfg: TrainConfig, world: int) -> None:
+    """The model takes the training and validation sizes, and no BatchNorm layer sees a
+    single image at once (how many it sees is the strategy's to say)."""
+    import torch
+
+    from paratrain.distributed.runtime import runs_on_cuda
+    from paratrain.models.registry import check_model_input as check
+
+    gpus = torch.cuda.device_count() if runs_on_cuda(cfg.device) else 0
+    if cfg.strategy == "auto":  # decided later; a batch of 2 at least takes the sizes
+        check(cfg, 2)
+    else:
+        check(cfg, strategy_of(cfg.strategy).norm_batch(cfg, world, gpus))
+
+
+def oversubscribed(cfg: TrainConfig) -> str | None:
+    """A warning when --nproc starts more CPU processes than this machine has cores."""
+    from paratrain.distributed.runtime import runs_on_cuda, usable_cores
+
+    if runs_on_cuda(cfg.device) or cfg.nproc == "auto" or cfg.nproc <= usable_cores():
+        return None
+    return (
+        f"--nproc {cfg.nproc} on {usable_cores()} CPU core(s): the processes take turns on "
+        "the cores and each holds its own copy of the model; --nproc auto measures what is "
+        "fastest here"
+    )
+
+
+def job_world(cfg: TrainConfig, env: DistEnv | None = None) -> int:
+    """The processes the job will have: --nproc when this process launches them, else
+    the launcher's (torchrun, srun)."""
+    env = env or detect(os.environ)
+    if env.source == "single" and cfg.nproc != "auto":
+        return max(cfg.nproc, 1)
+    return env.world_size

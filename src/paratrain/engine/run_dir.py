@@ -1,0 +1,95 @@
+"""The run directory: which one a run writes into, which checkpoint it continues from.
+
+A run folder is claimed in one step (config/run_dirs.py), so runs started together never
+share one; an existing run is continued (--resume) or left alone, never overwritten.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from paratrain.config import TrainConfig
+from paratrain.config.run_dirs import already_holds_a_run, claim_checkpoints, claim_new_name
+from paratrain.engine import sharded
+from paratrain.errors import UserError
+
+LAST = "last.pt"
+BEST = "best.pt"
+
+
+def run_dir_of(path: str | Path) -> Path | None:
+    """The run directory of a checkpoint saved by training (<run>/checkpoints/x.pt)."""
+    path = Path(path)
+    return path.parent.parent if path.parent.name == "checkpoints" else None
+
+
+def find_resumable(output_dir: Path, name: str | None) -> Path | None:
+    """``--resume auto``: the last checkpoint (last.pt, or a sharded last/) of the named
+    run, else of the newest run that has one."""
+    runs = [output_dir / name] if name else [p for p in output_dir.glob("*") if p.is_dir()]
+    found = [(c.stat().st_mtime, c) for c in map(last_of_run, runs) if c is not None]
+    return max(found)[1] if found else None
+
+
+def last_of_run(run: Path) -> Path | None:
+    """The newer of a run directory's last.pt and sharded last/ (None: it has neither)."""
+    single = run / "checkpoints" / LAST
+    candidates = [single] if single.is_file() else []
+    folder = sharded.find(run / "checkpoints" / "last")
+    candidates += [folder] if folder is not None else []
+    return max(candidates, key=lambda c: c.stat().st_mtime) if candidates else None
+
+
+def resume_target(resume: str) -> Path:
+    """``--resume PATH``: a checkpoint file, a sharded checkpoint's folder, or a run
+    directory (its last checkpoint)."""
+    path = Path(resume)
+    if not path.exists():
+        raise UserError(f"--resume: checkpoint not found: {path}")
+    if path.is_dir() and sharded.find(path) is None and (path / "checkpoints").is_dir():
+        last = last_of_run(path)
+        if last is None:
+            raise UserError(f"--resume: {path} is a run directory with no last checkpoint")
+        return last
+    return path
+
+
+def holds_a_run(run_dir: Path) -> bool:
+    """Whether a run already wrote into ``run_dir``."""
+    return (run_dir / "config.yaml").exists() or any((run_dir / "checkpoints").glob("*.pt"))
+
+
+def check_run_dir_free(cfg: TrainConfig) -> None:
+    """A named run that exists is continued (--resume) or left alone (another --name):
+    never overwritten."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if cfg.name and cfg.resume is None and not restarted:
+        run_dir = Path(cfg.output_dir) / cfg.name
+        if holds_a_run(run_dir):
+            raise already_holds_a_run(run_dir)
+
+
+def resolve_run(cfg: TrainConfig) -> tuple[Path, Path | None]:
+    """The run directory and the checkpoint to resume from (None: a fresh start). Rank 0
+    decides (see comm.agree); an existing run is never overwritten."""
+    output = Path(cfg.output_dir)
+    resume = cfg.resume
+    if resume is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        resume = "auto"  # a restarted worker continues from the last checkpoint
+    check_run_dir_free(cfg)
+    resume_from: Path | None = None
+    if resume == "auto":
+        resume_from = find_resumable(output, cfg.name)
+    elif resume:
+        resume_from = resume_target(resume)
+    fresh = resume_from is None and resume is None
+    if cfg.name:
+        name = cfg.name
+    elif resume_from is not None and run_dir_of(resume_from) is not None:
+        name = run_dir_of(resume_from).name
+    else:  # a timestamp; a run started in the same second gets the next free name
+        name = claim_new_name(output)
+    run_dir = output / name
+    claim_checkpoints(run_dir, new_run=fresh)  # one step: two new runs cannot share it
+    return run_dir, resume_from

@@ -1,0 +1,52 @@
+"""Files that readers find whole or not at all: fsync, and folders swapped into place.
+
+A checkpoint, a cache, a split record: each is written under a temporary name, flushed
+to the disk, then renamed; a reader finds the old one or the new one, never a torn one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+
+def fsync(path: Path | str) -> None:
+    """Push a file's (or a folder's entries') writes to the disk."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass  # some file systems cannot fsync a folder
+    finally:
+        os.close(descriptor)
+
+
+def swap_in(tmp: Path, target: Path) -> None:
+    """Folder ``tmp`` becomes ``target``: a reader finds the old folder or the new one
+    (or, between the two renames, the old one under its parked name ``.<name>.old``)."""
+    parked = target.with_name(f".{target.name}.old")
+    shutil.rmtree(parked, ignore_errors=True)
+    if target.exists():
+        os.rename(target, parked)
+    os.rename(tmp, target)
+    fsync(target.parent)
+    shutil.rmtree(parked, ignore_errors=True)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """``path`` holds ``data`` whole, or what it held before."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync(path.parent)

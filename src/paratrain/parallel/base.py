@@ -1,0 +1,275 @@
+"""The Strategy interface and the Layout value: everything the rest of paratrain asks of
+a way to spread a model over processes and devices.
+
+A strategy answers, for its own name only: which settings it takes and their rules,
+what it needs of the machine, which rank reads which batch (its :class:`Layout`), how
+much memory a device needs (for `paratrain plan` and `--strategy auto`), how it builds
+and wraps the model (:class:`ModelParts`), and whether its checkpoints are written whole
+or each rank its shards. Nothing outside ``parallel/`` asks for a strategy by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+from paratrain.errors import UserError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
+    from torch import nn
+
+    from paratrain.config import TrainConfig
+    from paratrain.distributed.runtime import Runtime
+    from paratrain.parallel.partition import Traced, Unit
+    from paratrain.parallel.parts import ModelParts
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which rank is which (torchtitan's ParallelDims): ``world`` ranks as ``replicate``
+    groups of whole copies x ``shard`` ranks sharing one copy's parameters x ``stages``
+    pipeline stages of one copy, the stages innermost (one copy's stages are neighbours,
+    on one machine) and the shards next (one node's ranks share a copy under hsdp)."""
+
+    world: int = 1
+    rank: int = 0
+    replicate: int = 1
+    shard: int = 1
+    stages: int = 1
+
+    def __post_init__(self) -> None:
+        if self.replicate * self.shard * self.stages != self.world:
+            raise ValueError(
+                f"{self.replicate} replicas x {self.shard} shards x {self.stages} stages "
+                f"is not {self.world} ranks"
+            )
+        if not 0 <= self.rank < self.world:
+            raise ValueError(f"rank {self.rank} outside {self.world} ranks")
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that read different batches: the global batch is the batch times this."""
+        return self.replicate * self.shard
+
+    @property
+    def dp_rank(self) -> int:
+        """Which of them this rank is: it reads the dp_rank-th shard of every epoch."""
+        return self.rank // self.stages
+
+    @property
+    def stage(self) -> int:
+        """This rank's pipeline stage (0 without a pipeline)."""
+        return self.rank % self.stages
+
+    def stage_ranks(self, dp_rank: int) -> list[int]:
+        """The ranks of one copy's stages, in stage order."""
+        return [dp_rank * self.stages + s for s in range(self.stages)]
+
+    def dp_ranks(self, stage: int) -> list[int]:
+        """The ranks holding one stage, one per data-parallel rank."""
+        return [r * self.stages + stage for r in range(self.dp_size)]
+
+
+@dataclass
+class DeviceMemory:
+    """What one device needs to train, by kind, for one strategy (`paratrain plan`)."""
+
+    strategy: str
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    detail: str = ""
+
+    @property
+    def total(self) -> int:
+        """Bytes per device in all."""
+        return self.parameters + self.gradients + self.optimizer + self.activations
+
+
+@dataclass
+class MemoryProfile:
+    """One profiled training step of a model, unit by unit (parallel/partition), the
+    numbers every strategy's estimate reads: fp32 parameters, their gradients and
+    ``slots`` optimizer tensors each, and what autograd saves at ``batch`` images."""
+
+    model: nn.Module
+    traced: Traced
+    starts: list[int]  # balanced stage starts over ``devices``
+    batch: int
+    profiled_batch: int
+    devices: int
+    slots: int
+    microbatches: int = 4
+    schedule: str = "1f1b"
+    blocks: list[int] = field(default_factory=list)  # parameter bytes of each block
+
+    @property
+    def units(self) -> list[Unit]:
+        return self.traced.units
+
+    @property
+    def scale(self) -> float:
+        return self.batch / self.profiled_batch
+
+    @property
+    def parameters(self) -> int:
+        return sum(u.parameter_bytes for u in self.units)
+
+    @property
+    def trainable(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+
+    @property
+    def saved(self) -> float:
+        """Activations of the whole model at ``batch``."""
+        return sum(u.activation_bytes for u in self.units) * self.scale
+
+    @property
+    def workspace(self) -> float:
+        """Backward's gradient through the largest unit, at ``batch``."""
+        return max(u.activation_bytes for u in self.units) * self.scale
+
+
+# the options a strategy may take or refuse, with their flags, for the one-line refusal
+FEATURES = {
+    "ema": ("--ema-decay", lambda cfg: cfg.ema_decay is not None),
+    "compile": ("--compile", lambda cfg: cfg.compile),
+    "grad_compression": ("--grad-compression", lambda cfg: cfg.grad_compression != "none"),
+    "sync_bn": ("--sync-bn", lambda cfg: cfg.sync_bn),
+    "fp16": ("--precision 16-mixed", lambda cfg: cfg.precision == "16-mixed"),
+}
+
+
+class Strategy:
+    """One way to spread a model over processes and devices; each ``parallel/<name>.py``
+    holds one instance, ``STRATEGY``, found by name through ``parallel.STRATEGIES``."""
+
+    name: ClassVar[str]
+    why: ClassVar[str] = ""  # what it costs and saves: `plan` and `--strategy auto` say it
+    one_process: ClassVar[bool] = False  # drives every device from a single process
+    one_process_hint: ClassVar[str] = ""  # what --nproc does instead, for the refusal
+    min_world: ClassVar[int] = 1
+    min_devices: ClassVar[int] = 1  # the devices its layout needs (plan: 2 to partition)
+    sharded_checkpoint: ClassVar[bool] = False  # each rank writes its shards (DCP)
+    speed_order: ClassVar[int] = 100  # --strategy auto takes the lowest that fits
+    takes: ClassVar[frozenset[str]] = frozenset(FEATURES)
+
+    # ---------------------------------------------------------------- settings, machine
+
+    def check_settings(self, cfg: TrainConfig, world: int | None) -> None:
+        """The settings this strategy takes and their rules, each refusal one line;
+        ``world``: the processes of the job where known (None: decided later)."""
+        for feature, (flag, on) in FEATURES.items():
+            if feature not in self.takes and on(cfg):
+                others = ", ".join(self._takers(feature))
+                raise UserError(f"{flag} works with --strategy {others}, not {self.name}")
+        if self.one_process and (world or 1) > 1:
+            raise UserError(
+                f"--strategy {self.name} runs in a single process; leave out --nproc, torchrun "
+                f"and srun ({self.one_process_hint})"
+            )
+        if world is not None and world < self.min_world:
+            raise UserError(
+                f"--strategy {self.name} spreads the model across processes; start "
+                f"{self.min_world} or more (--nproc N, torchrun or srun)"
+            )
+
+    def _takers(self, feature: str) -> list[str]:
+        from paratrain.parallel import STRATEGIES, get
+
+        return [name for name in STRATEGIES if feature in get(name).takes]
+
+    def check_machine(self, cfg: TrainConfig, world: int) -> None:
+        """What this machine must have for it (devices), refused once before any process
+        starts."""
+
+    # ---------------------------------------------------------------- layout
+
+    def layout(self, cfg: TrainConfig, world: int, rank: int = 0, per_node: int = 0) -> Layout:
+        """Which rank reads which batch: by default every rank a whole copy."""
+        return Layout(world, rank, replicate=world)
+
+    def norm_batch(self, cfg: TrainConfig, world: int, gpus: int = 0) -> int:
+        """The fewest images one BatchNorm layer sees at once in training (2 while
+        --batch-size is still auto): the per-process batch, or with --sync-bn every
+        data-parallel rank's together."""
+        if cfg.batch_size == "auto":
+            return 2
+        images = cfg.batch_size
+        if cfg.sync_bn and "sync_bn" in self.takes:
+            images *= self.layout(cfg, world).dp_size
+        return images
+
+    # ---------------------------------------------------------------- memory
+
+    def memory(self, profile: MemoryProfile) -> DeviceMemory | None:
+        """What the fullest device needs; None where `paratrain plan` leaves it out."""
+        return None
+
+    # ---------------------------------------------------------------- the model
+
+    def build(
+        self, make: Callable[[torch.device | None], nn.Module], runtime: Runtime
+    ) -> nn.Module:
+        """The model every rank starts from, identical on every rank: ``make(None)``
+        builds it on the CPU with its weights (seeded alike); a strategy that loads the
+        weights in shards may build on the meta device instead."""
+        return make(None)
+
+    def wrap(self, model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> ModelParts:
+        """The model placed, wrapped, sharded or staged."""
+        raise NotImplementedError
+
+
+def whole_model_memory(name: str, profile: MemoryProfile, detail: str) -> DeviceMemory:
+    """Every device holds the whole model and a whole batch (ddp's layout)."""
+    return DeviceMemory(
+        name,
+        profile.parameters,
+        profile.trainable,
+        profile.slots * profile.trainable,
+        int(profile.saved + profile.workspace),
+        detail,
+    )
+
+
+def staged_memory(name: str, profile: MemoryProfile, pipelined: bool) -> DeviceMemory:
+    """The fullest stage of a model cut over the devices: its weights, its gradients
+    and optimizer state, and its activations — all of the batch for split and GPipe, at
+    most P - s micro-batches in flight on stage s under 1F1B."""
+    from paratrain.parallel.partition import stage_units
+
+    stages = stage_units(profile.traced, profile.starts)
+    worst: DeviceMemory | None = None
+    for index, stage in enumerate(stages):
+        weights = sum(u.parameter_bytes for u in stage)
+        acts = sum(u.activation_bytes for u in stage) * profile.scale
+        if pipelined and profile.schedule == "1f1b":
+            acts *= min(profile.microbatches, len(stages) - index) / profile.microbatches
+        space = max(u.activation_bytes for u in stage) * profile.scale
+        if pipelined:
+            space /= profile.microbatches
+        row = DeviceMemory(
+            name,
+            weights,
+            weights,
+            profile.slots * weights,
+            int(acts + space),
+            f"stage {index} of {len(stages)} is the largest",
+        )
+        if worst is None or row.total > worst.total:
+            worst = row
+    assert worst is not None
+    if pipelined:
+        worst.detail += f", {profile.microbatches} micro-batches, {profile.schedule}"
+    return worst
+
+
+def parse_list(text: str | None) -> list[str]:
+    """A comma-separated flag value as its items."""
+    return [item.strip() for item in (text or "").split(",") if item.strip()]
+

@@ -1,0 +1,76 @@
+"""The checkpoint is typed and versioned: files written by an earlier paratrain (kept under
+tests/data/checkpoint-v1) are read, migrated and resumed from."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from imagefolders import make_image_folder
+from paratrain.cli import main
+from paratrain.engine import checkpoint
+from paratrain.engine.checkpoint import FORMAT, Checkpoint
+from paratrain.errors import UserError
+
+V1 = Path(__file__).resolve().parents[1] / "data" / "checkpoint-v1"
+
+
+def test_a_format_1_file_reads_as_a_typed_checkpoint():
+    state = checkpoint.load(V1 / "ema.pt")
+    assert isinstance(state, Checkpoint) and state.format == FORMAT
+    assert state.progress.epoch == 1 and state.progress.step_in_epoch == 0
+    assert state.classes == ["class_0", "class_1", "class_2"]
+    assert state.ema is not None and state.ema["n_averaged"] == 6  # 24 images, batch 4
+    assert set(state.weights(V1 / "ema.pt", ema=True)) == set(state.model)
+    cfg = state.train_config()
+    assert cfg.model == "timm/test_efficientnet" and cfg.ema_decay == 0.9
+
+
+def test_a_format_1_mid_epoch_file_keeps_where_training_stood():
+    state = checkpoint.load(V1 / "mid-epoch.pt")
+    progress = state.progress
+    assert (progress.epoch, progress.step_in_epoch, progress.consumed) == (1, 1, 8)
+    assert progress.global_step == 4 and progress.totals.tolist() == pytest.approx(
+        [2.03, 3.0, 4.0], abs=1e-3
+    )
+    assert state.replicas == 2 and state.processes == 2 and state.strategy == "ddp"
+    assert len(state.rng) == 2 and state.optimizer is not None
+
+
+def test_a_format_1_sharded_checkpoint_consolidates():
+    whole = checkpoint.load(V1 / "fsdp")
+    assert whole.sharded and whole.progress.epoch == 1
+    assert set(whole.model) == set(checkpoint.load(V1 / "ema.pt").model)
+    assert whole.optimizer is not None and len(whole.optimizer["state"]) > 0
+
+
+def test_saving_and_reading_back_keeps_every_part():
+    state = checkpoint.load(V1 / "mid-epoch.pt")
+    again = Checkpoint.from_dict(state.to_dict())
+    assert again.progress.state_dict().keys() == state.progress.state_dict().keys()
+    assert again.progress.consumed == 8 and again.replicas == 2
+    for key, value in state.model.items():
+        assert torch.equal(again.model[key], value)
+
+
+def test_a_newer_format_is_refused_in_one_line():
+    raw = checkpoint.load(V1 / "ema.pt").to_dict()
+    with pytest.raises(UserError, match="checkpoint format 99; this paratrain reads up to"):
+        Checkpoint.from_dict({**raw, "format": 99}, "future.pt")
+
+
+def test_a_run_resumes_from_a_format_1_checkpoint(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    make_image_folder(tmp_path / "data", classes=3, per_class=10, size=(20, 16))
+    shutil.copy(V1 / "mid-epoch.pt", tmp_path / "old.pt")
+    args = ["train", "--data", "data", "--model", "timm/test_efficientnet", "--image-size"]
+    args += ["16", "--epochs", "2", "--batch-size", "4", "--cache", "off", "--workers", "0"]
+    args += ["--name", "again", "--resume", "old.pt"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "resumed from old.pt at epoch 2, step 2" in out  # 8 images of 2 x 4 a step
+    resumed = checkpoint.load(tmp_path / "runs/again/checkpoints/last.pt")
+    assert resumed.format == FORMAT and resumed.progress.epoch == 2
