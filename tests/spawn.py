@@ -24,14 +24,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(rank, world_size, port, fn, args, out_dir):
+def _entry(rank, world_size, port, fn, args, out_dir, per_node):
+    per_node = per_node or world_size  # ranks as nodes of per_node processes each
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank % per_node),
+        LOCAL_WORLD_SIZE=str(per_node),
+        GROUP_RANK=str(rank // per_node),
     )
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -44,11 +46,13 @@ def _entry(rank, world_size, port, fn, args, out_dir):
         dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args):
+def run_distributed(fn, world_size: int, *args, per_node: int | None = None):
+    """``per_node``: the ranks pose as nodes of that many processes each (LOCAL_RANK,
+    LOCAL_WORLD_SIZE and GROUP_RANK as torchrun sets them on several machines)."""
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(
             _entry,
-            args=(world_size, free_port(), fn, args, out_dir),
+            args=(world_size, free_port(), fn, args, out_dir, per_node),
             nprocs=world_size,
             join=True,
             # fork: children share the parent's imported torch (seconds saved per rank);

@@ -31,7 +31,6 @@ from paratrain.config import (
     ScaleOptions,
     SlurmOptions,
     TrainConfig,
-    preset_notes,
     to_argv,
 )
 from paratrain.config.run_dirs import claim_new_name
@@ -70,38 +69,21 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, say: Say = print) -> dict 
 
     Returns the run summary in the process that trained (rank 0's view); None in a
     launcher, whose workers report through the run directory, and for a dry run."""
+    from paratrain.bench import autopilot
     from paratrain.engine import preflight
     from paratrain.engine.describe import dry_run as describe
+    from paratrain.engine.trainer import train_worker
 
     cfg.validate()
     env = detect(os.environ)
     checked = preflight.already_checked()
-    if cfg.data is None:  # the embedded digits set
-        from paratrain.data.builtin import digits_dir, digits_ready, ensure_digits
-
-        if env.is_main and not checked:
-            say("; ".join(preset_notes(cfg)))
-        if dry_run and not digits_ready(cfg.cache_dir):  # a dry run writes nothing
-            if "auto" in (cfg.nproc, cfg.strategy, cfg.batch_size, cfg.lr):
-                say(
-                    "the embedded digits set is not written yet; auto settings are chosen on "
-                    "it by the first run (a dry run writes nothing)"
-                )
-                return None
-            world = preflight.job_world(cfg, env)
-            preflight.check_settings(cfg, world)
-            preflight.check_devices(cfg, world)
-            say(describe(cfg, env, unwritten=digits_dir(cfg.cache_dir)))
+    if cfg.data is None:  # the embedded digits set: written once, or described unwritten
+        if (found := preflight.embedded_data(cfg, env, dry_run, say)) is None:
             return None
-        cfg = replace(cfg, data=str(ensure_digits(cfg.cache_dir)))
+        cfg = found
     if not checked:
         _told_once(env, lambda: preflight.preflight(cfg, preflight.job_world(cfg, env)))
-    chosen: list[str] = []
-    if "auto" in (cfg.nproc, cfg.strategy, cfg.batch_size, cfg.lr):
-        cfg, chosen = _choose_automatically(cfg, env, dry_run, say)
-        world = preflight.job_world(cfg, env)
-        preflight.check_settings(cfg, world)
-        preflight.check_devices(cfg, world)
+    cfg, chosen = autopilot.choose(cfg, env, dry_run, say)
     if not checked and env.source == "single" and not dry_run:
         if warning := preflight.oversubscribed(cfg):
             print(f"paratrain: warning: {warning}", file=sys.stderr)
@@ -117,48 +99,13 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, say: Say = print) -> dict 
         return launch_or_run(
             cfg.processes,
             ["train", *to_argv(cfg)],
-            lambda env: _train_worker(cfg, env),
+            lambda env: train_worker(cfg, env),
             max_restarts=cfg.max_restarts,
             master_port=cfg.master_port,
         )
     finally:  # workers that stopped before writing anything leave no empty run folder
         if claimed is not None and claimed.is_dir() and not any(claimed.iterdir()):
             claimed.rmdir()
-
-
-def _choose_automatically(
-    cfg: TrainConfig, env: DistEnv, dry_run: bool, say: Say
-) -> tuple[TrainConfig, list[str]]:
-    """Every auto setting made a value (bench/autopilot.py), each told with its reason."""
-    from paratrain.bench import autopilot
-
-    if env.source != "single":
-        raise UserError(
-            "auto settings are chosen by `paratrain train` itself, before it starts its "
-            "processes; under torchrun or srun give values (a run's config.yaml has them)"
-        )
-    if cfg.resume:
-        raise UserError(
-            "a resumed run continues with the values its config.yaml recorded: give them, "
-            "not auto (--config <run>/config.yaml)"
-        )
-    if not dry_run and not cfg.name:  # the range test's curve goes into the run folder
-        cfg = replace(cfg, name=claim_new_name(Path(cfg.output_dir)))
-    plot_dir = None if dry_run else Path(cfg.output_dir) / str(cfg.name)
-    cfg, choices = autopilot.resolve(cfg, say=say, plot_dir=plot_dir)
-    for choice in choices:
-        say(choice.line())
-    return cfg, [choice.line() for choice in choices]
-
-
-def _train_worker(cfg: TrainConfig, env: DistEnv) -> dict:
-    from paratrain.distributed.runtime import distributed
-    from paratrain.engine.trainer import fit
-    from paratrain.log import setup_logging
-
-    setup_logging(env.rank, env.world_size)
-    with distributed(env, cfg.device, cfg.backend, cfg.timeout) as runtime:
-        return fit(cfg, runtime)
 
 
 # ---------------------------------------------------------------- eval, predict, export
@@ -176,11 +123,7 @@ def evaluate(opts: EvalOptions, say: Say = print) -> dict | None:
     if job.skipped:
         say(f"skipping {job.skipped} unreadable validation image(s), as the run did")
     if opts.dry_run:
-        say(
-            f"would evaluate {opts.checkpoint} ({job.saved.model} at {job.saved.image_size}px, "
-            f"{len(job.split.classes)} classes) on {len(job.split.val)} validation images of "
-            f"{job.split.root} with {opts.nproc} process(es)"
-        )
+        say(job.describe(opts))
         return None
     report = launch_or_run(
         opts.nproc, ["eval", *to_argv(opts)], lambda env: evaluate_checkpoint(job, opts, env)
@@ -192,32 +135,10 @@ def evaluate(opts: EvalOptions, say: Say = print) -> dict | None:
 
 def predict(opts: PredictOptions, say: Say = print) -> list[dict]:
     """Top-k classes of every image given (files, or folders searched for images)."""
-    from paratrain.engine.predict import check_inputs, write_csv
-    from paratrain.engine.predict import predict as predict_images
+    from paratrain.engine.predict import run_predict
 
     opts.validate()
-    if opts.dry_run:
-        paths = check_inputs(str(opts.checkpoint), opts.inputs, opts.ema)
-        say(f"would predict {len(paths)} image(s) with {opts.checkpoint} on {opts.device}")
-        return []
-
-    def tell(rows: list[dict]) -> None:  # as each batch is done, not all at the end
-        for row in rows:
-            say(f"{row['path']}: " + ", ".join(f"{name} {p:.3f}" for name, p in row["top"]))
-
-    rows, unreadable = predict_images(
-        str(opts.checkpoint), opts.inputs, opts.top_k, opts.batch_size, opts.device, opts.ema, tell
-    )
-    if opts.csv:
-        write_csv(rows, opts.csv)
-    if unreadable:
-        for path, why in unreadable:
-            print(f"paratrain: skipped {path}: {why}", file=sys.stderr)
-        raise UserError(
-            f"{len(unreadable)} of {len(rows) + len(unreadable)} image(s) could not be read "
-            "(listed above); the others were predicted"
-        )
-    return rows
+    return run_predict(opts, say)
 
 
 def export(opts: ExportOptions, say: Say = print) -> dict[str, str]:
@@ -261,13 +182,12 @@ def models(opts: ModelsOptions | None = None, say: Say = print) -> list[str]:
 
 def recipes(opts: RecipesOptions | None = None, say: Say = print) -> list[str]:
     """The shipped recipes (--recipe NAME), each with its first line."""
-    from paratrain.config.train import RECIPES, shipped_recipes
+    from paratrain.config.train import recipe_summaries
 
-    names = shipped_recipes()
-    for name in names:
-        first = (RECIPES / f"{name}.yaml").read_text().splitlines()[0].lstrip("# ")
+    summaries = recipe_summaries()
+    for name, first in summaries.items():
         say(f"{name}: {first}")
-    return names
+    return list(summaries)
 
 
 # ---------------------------------------------------------------- bench, scale, plan
@@ -275,7 +195,7 @@ def recipes(opts: RecipesOptions | None = None, say: Say = print) -> list[str]:
 
 def bench(cfg: TrainConfig, opts: BenchOptions, say: Say = print) -> BenchResult | None:
     """Step speed on synthetic data: the result on rank 0, else None."""
-    from paratrain.bench.speed import bench_worker, format_result
+    from paratrain.bench.speed import bench_worker, describe_bench, format_result
     from paratrain.engine import preflight
 
     cfg.validate()
@@ -285,10 +205,7 @@ def bench(cfg: TrainConfig, opts: BenchOptions, say: Say = print) -> BenchResult
     _told_once(env, lambda: preflight.check_devices(cfg, world))
     _told_once(env, lambda: preflight.check_model_input(cfg, world))
     if opts.dry_run:
-        say(
-            f"would time {opts.steps} steps (after {opts.warmup}) of {cfg.model} at "
-            f"{cfg.image_size}px, batch {cfg.batch_size} x {cfg.nproc} process(es)"
-        )
+        say(describe_bench(cfg, opts))
         return None
     argv = ["bench", *to_argv(cfg, BENCH_SETTINGS), *to_argv(opts)]
     result = launch_or_run(cfg.processes, argv, lambda env: bench_worker(cfg, opts, env))
@@ -298,43 +215,17 @@ def bench(cfg: TrainConfig, opts: BenchOptions, say: Say = print) -> BenchResult
 
 
 def scale(cfg: TrainConfig, opts: ScaleOptions, say: Say = print) -> dict | None:
-    """Measured and predicted scaling; writes the report under ``opts.out`` and returns
-    it. With ``opts.calibrate`` (a CSV of n,seconds) nothing is measured here."""
-    from paratrain.bench import costmodel
-    from paratrain.bench import scale as scaling
-    from paratrain.engine import preflight
-    from paratrain.report.scaling import format_calibration, format_measured, write_report
+    """Measured and predicted scaling (bench/scale.py); writes the report under
+    ``opts.out`` and returns it. With ``opts.calibrate`` nothing is measured here."""
+    from paratrain.bench.scale import run_scale
 
     cfg.validate()
     opts.validate()
-    if opts.calibrate is not None:
-        points = scaling.read_epoch_times(Path(opts.calibrate))
-        if opts.dry_run:
-            say(f"would fit {len(points)} epoch times from {opts.calibrate}")
-            return None
-        report = scaling.calibration_report(costmodel.calibrate(points), opts.max_n)
-        text = format_calibration(report, str(opts.calibrate))
-    else:
-        if detect(os.environ).source != "single":
-            raise UserError(
-                "`paratrain scale` starts its own processes; run it outside torchrun and srun"
-            )
-        preflight.check_devices(cfg, 1)
-        settings = scaling.settings_from(opts)
-        preflight.check_model_input(cfg, 1)  # scale measures one process too
-        if opts.dry_run:
-            say(
-                f"would measure {cfg.model} at {cfg.image_size}px on 1..{settings.nproc_max} "
-                f"processes and write {opts.out}"
-            )
-            return None
-        profile, rows, samples = scaling.measure(cfg, settings, say=say)
-        report = scaling.report(cfg, settings, profile, rows, samples)
-        text = format_measured(report)
-    paths = write_report(report, Path(opts.out))
-    say(text)
-    say("wrote " + ", ".join(str(p) for p in paths))
-    return report
+    if opts.calibrate is None and detect(os.environ).source != "single":
+        raise UserError(
+            "`paratrain scale` starts its own processes; run it outside torchrun and srun"
+        )
+    return run_scale(cfg, opts, say)
 
 
 def plan(cfg: TrainConfig, opts: PlanOptions, say: Say = print) -> dict | None:
@@ -347,10 +238,7 @@ def plan(cfg: TrainConfig, opts: PlanOptions, say: Say = print) -> dict | None:
     memory.parse_size(opts.device_memory or "")
     check_input_size(cfg.model, cfg.image_size)
     if opts.dry_run:
-        say(
-            f"would profile {cfg.model} at {cfg.image_size}px and plan batch {cfg.batch_size} "
-            f"on {opts.devices} device(s) of {opts.device_memory}"
-        )
+        say(memory.describe_plan(cfg, opts))
         return None
     result, table = memory.plan(cfg, opts)
     say(json.dumps(result) if opts.json else table)
@@ -402,19 +290,3 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "plan": plan,
     "check": check,
 }
-
-__all__ = [
-    "COMMANDS",
-    "bench",
-    "check",
-    "evaluate",
-    "export",
-    "launch_or_run",
-    "models",
-    "plan",
-    "predict",
-    "runs",
-    "scale",
-    "slurm",
-    "train",
-]

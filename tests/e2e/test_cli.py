@@ -83,8 +83,10 @@ def test_two_process_epoch_writes_every_run_file(trained):
         "metrics.jsonl",
         "summary.json",
     ]
-    assert "2 process(es) on cpu (gloo)" in first.stdout
-    assert "global batch 8 (4 x 2), sgd peak lr 0.02 (0.01 x 2, linear scaling)" in first.stdout
+    assert "  processes: 2 process(es) (torchrun)" in first.stdout
+    assert "  device: cpu, backend gloo, strategy ddp" in first.stdout
+    assert "  global batch: 8 (4 x 2 replica(s))" in first.stdout
+    assert "  schedule: sgd, peak lr 0.02 (0.01 x 2, linear scaling)" in first.stdout
     assert first.stdout.count("epoch 1/1") == 1  # rank 0 speaks, rank 1 stays quiet
     assert json.loads((root / "runs/r1/class_indices.json").read_text()) == {
         "0": "class_0",
@@ -106,7 +108,8 @@ def test_resume_auto_continues_at_the_next_epoch(trained):
     assert csv_lines[0].startswith("epoch,lr,train_loss,train_acc,val_loss,val_top1,val_top5")
     assert len(csv_lines) == 3
     state = torch.load(root / "runs/r1/checkpoints/last.pt", weights_only=False)
-    assert state.progress.epoch == 2 and not any(k.startswith("module.") for k in state.model)
+    assert state["progress"]["epoch"] == 2
+    assert not any(k.startswith("module.") for k in state["model"])
 
 
 def test_eval_counts_each_image_once_at_any_world_size(trained, capsys):

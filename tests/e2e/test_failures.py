@@ -181,7 +181,7 @@ def _wait_for_training(proc: subprocess.Popen) -> list[str]:
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        if line.startswith("global batch"):  # printed just before the first step
+        if line.lstrip().startswith("global batch"):  # printed just before the first step
             break
     return lines
 

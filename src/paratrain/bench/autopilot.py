@@ -31,7 +31,9 @@ from pathlib import Path
 import torch
 
 from paratrain.config import TrainConfig
+from paratrain.config.run_dirs import claim_new_name
 from paratrain.data.builtin import default_cache_dir
+from paratrain.distributed.env import DistEnv
 from paratrain.distributed.runtime import runs_on_cuda, usable_cores
 from paratrain.engine.step import Stepper, train_step
 from paratrain.errors import UserError
@@ -416,6 +418,37 @@ def _plot(lrs, losses, steepest: float, chosen: float, path: Path) -> None:
 
 
 # ------------------------------------------------------------------ all together
+
+
+def choose(
+    cfg: TrainConfig, env: DistEnv, dry_run: bool, say: Callable[[str], object]
+) -> tuple[TrainConfig, list[str]]:
+    """Every auto setting of a run made a value, each told with its reason, the result
+    checked as the values would have been (the config unchanged where none is auto)."""
+    from paratrain.engine import preflight
+
+    if not cfg.has_auto():
+        return cfg, []
+    if env.source != "single":
+        raise UserError(
+            "auto settings are chosen by `paratrain train` itself, before it starts its "
+            "processes; under torchrun or srun give values (a run's config.yaml has them)"
+        )
+    if cfg.resume:
+        raise UserError(
+            "a resumed run continues with the values its config.yaml recorded: give them, "
+            "not auto (--config <run>/config.yaml)"
+        )
+    if not dry_run and not cfg.name:  # the range test's curve goes into the run folder
+        cfg = replace(cfg, name=claim_new_name(Path(cfg.output_dir)))
+    plot_dir = None if dry_run else Path(cfg.output_dir) / str(cfg.name)
+    cfg, choices = resolve(cfg, say=say, plot_dir=plot_dir)
+    for choice in choices:
+        say(choice.line())
+    world = preflight.job_world(cfg, env)
+    preflight.check_settings(cfg, world)
+    preflight.check_devices(cfg, world)
+    return cfg, [choice.line() for choice in choices]
 
 
 def resolve(

@@ -219,3 +219,11 @@ def plan(cfg: TrainConfig, opts: PlanOptions) -> tuple[dict, str]:
         f"{cfg.opt}, fp32, {opts.devices} device(s) of {opts.device_memory}:"
     )
     return result, format_plan(rows, limit, opts.devices, choice, why, heading)
+
+
+def describe_plan(cfg: TrainConfig, opts: PlanOptions) -> str:
+    """What `plan --dry-run` says would run."""
+    return (
+        f"would profile {cfg.model} at {cfg.image_size}px and plan batch {cfg.batch_size} "
+        f"on {opts.devices} device(s) of {opts.device_memory}"
+    )

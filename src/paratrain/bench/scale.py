@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from paratrain.bench import costmodel
-from paratrain.config import STEP_SETTINGS, BenchOptions, TrainConfig, to_argv
+from paratrain.config import STEP_SETTINGS, BenchOptions, ScaleOptions, TrainConfig, to_argv
 from paratrain.distributed.runtime import usable_cores
 from paratrain.errors import UserError
 
@@ -48,7 +48,7 @@ class ScaleSettings:
     max_n: int = 1024
 
 
-def settings_from(opts: ScaleSettings) -> ScaleSettings:
+def settings_from(opts: ScaleOptions) -> ScaleSettings:
     """The measurement's settings from the command's options: the processes to go up
     to (default: the CUDA devices, else the cores), the links named or given."""
     nproc_max = opts.nproc_max
@@ -362,3 +362,36 @@ def read_epoch_times(path: Path) -> list[tuple[int, float]]:
             f"found {len({n for n, _ in points})}"
         )
     return points
+
+
+def run_scale(cfg: TrainConfig, opts: ScaleOptions, say: Callable[[str], object]) -> dict | None:
+    """`paratrain scale`: measure here (or fit ``opts.calibrate``), predict, write the
+    report under ``opts.out``, say it; None for a dry run."""
+    from paratrain.bench import costmodel
+    from paratrain.engine import preflight
+    from paratrain.report.scaling import format_calibration, format_measured, write_report
+
+    if opts.calibrate is not None:
+        points = read_epoch_times(Path(opts.calibrate))
+        if opts.dry_run:
+            say(f"would fit {len(points)} epoch times from {opts.calibrate}")
+            return None
+        result = calibration_report(costmodel.calibrate(points), opts.max_n)
+        text = format_calibration(result, str(opts.calibrate))
+    else:
+        preflight.check_devices(cfg, 1)
+        settings = settings_from(opts)
+        preflight.check_model_input(cfg, 1)  # scale measures one process too
+        if opts.dry_run:
+            say(
+                f"would measure {cfg.model} at {cfg.image_size}px on 1..{settings.nproc_max} "
+                f"processes and write {opts.out}"
+            )
+            return None
+        profile, rows, samples = measure(cfg, settings, say=say)
+        result = report(cfg, settings, profile, rows, samples)
+        text = format_measured(result)
+    paths = write_report(result, Path(opts.out))
+    say(text)
+    say("wrote " + ", ".join(str(p) for p in paths))
+    return result

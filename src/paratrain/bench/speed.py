@@ -232,3 +232,11 @@ def bench_worker(cfg: TrainConfig, opts: BenchOptions, env: DistEnv) -> BenchRes
             json.dumps({"bench": asdict(result), "all_reduce": sweep})
         )
     return result
+
+
+def describe_bench(cfg: TrainConfig, opts: BenchOptions) -> str:
+    """What `bench --dry-run` says would run."""
+    return (
+        f"would time {opts.steps} steps (after {opts.warmup}) of {cfg.model} at "
+        f"{cfg.image_size}px, batch {cfg.batch_size} x {cfg.nproc} process(es)"
+    )

@@ -555,6 +555,10 @@ class TrainConfig(Options):
                 f"{self.eval_crop}"
             )
 
+    def has_auto(self) -> bool:
+        """Whether a setting is still auto (bench/autopilot decides it before the run)."""
+        return "auto" in (self.nproc, self.strategy, self.batch_size, self.lr)
+
     @property
     def batch(self) -> int:
         """--batch-size once decided (auto is resolved before any run, bench/autopilot)."""
@@ -703,6 +707,14 @@ RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
 def shipped_recipes() -> list[str]:
     return sorted(p.stem for p in RECIPES.glob("*.yaml"))
+
+
+def recipe_summaries() -> dict[str, str]:
+    """Each shipped recipe's name and the first line of its file."""
+    return {
+        name: (RECIPES / f"{name}.yaml").read_text().splitlines()[0].lstrip("# ")
+        for name in shipped_recipes()
+    }
 
 
 def read_recipe(name_or_path: str) -> dict[str, Any]:

@@ -61,6 +61,7 @@ class Checkpoint:
     replicas: int = 1  # data-parallel ranks: what the global batch was a multiple of
     processes: int = 1
     strategy: str = "ddp"
+    layout: dict[str, int] = field(default_factory=dict)  # parallel/base.Layout, as run
     lr: float | None = None
     val_top1: float | None = None
     schedule: dict[str, Any] | None = None  # for a reader: the rate is derived, not saved
@@ -298,6 +299,7 @@ class Checkpointer:
             replicas=self.parts.replicas,
             processes=self.runtime.world_size,
             strategy=self.cfg.strategy,
+            layout=dataclasses.asdict(self.parts.layout),
             lr=self.optimizer.param_groups[0]["lr"],
             val_top1=val_top1,
             schedule=dataclasses.asdict(self.schedule),

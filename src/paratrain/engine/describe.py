@@ -50,12 +50,12 @@ def run_facts(
             f"(resized to {cfg.eval_resize})"
         ),
         global_batch=(
-            f"{cfg.batch * replicas * cfg.grad_accum} ({cfg.batch} x {replicas} "
-            f"replica(s){accum})"
+            f"{cfg.batch * replicas * cfg.grad_accum} ({cfg.batch} x {replicas} replica(s){accum})"
         ),
         schedule=f"{cfg.opt}, {describe_schedule(peak_lr(cfg, replicas), cfg)}",
         recipe=recipe_words(cfg),
-        precision=precision + (" (auto)" if cfg.precision == "auto" else "")
+        precision=precision
+        + (" (auto)" if cfg.precision == "auto" else "")
         + (", torch.compile (the first steps compile)" if cfg.compile else ""),
         cache=cache,
         resume=resume,

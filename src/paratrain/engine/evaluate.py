@@ -143,6 +143,15 @@ class EvalJob:
     report_dir: Path
     skipped: int = 0  # unreadable validation images left out, as the run did
 
+    def describe(self, opts: EvalOptions) -> str:
+        """What `eval --dry-run` says would run."""
+        return (
+            f"would evaluate {opts.checkpoint} ({self.saved.model} at "
+            f"{self.saved.image_size}px, {len(self.split.classes)} classes) on "
+            f"{len(self.split.val)} validation images of {self.split.root} with "
+            f"{opts.nproc} process(es)"
+        )
+
 
 def prepare_evaluation(opts: EvalOptions) -> EvalJob:
     """The checkpoint read, its data split as training split it, its weights checked

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from paratrain.config import TrainConfig
+from paratrain.config import PredictOptions, TrainConfig
 from paratrain.data.folder import IMAGE_EXTENSIONS, read_rgb
 from paratrain.data.transforms import eval_transform
 from paratrain.distributed.env import DistEnv
@@ -121,3 +121,32 @@ def write_csv(rows: list[dict], path: str) -> None:
             writer.writerow(
                 [row["path"]] + [x for pair in row["top"] for x in (pair[0], f"{pair[1]:.6f}")]
             )
+
+
+def run_predict(opts: PredictOptions, say: Callable[[str], object]) -> list[dict]:
+    """`paratrain predict`: each image's top-k said as its batch is done, the CSV
+    written; unreadable images named on stderr and, after the rest, one error line."""
+    import sys
+
+    if opts.dry_run:
+        paths = check_inputs(str(opts.checkpoint), opts.inputs, opts.ema)
+        say(f"would predict {len(paths)} image(s) with {opts.checkpoint} on {opts.device}")
+        return []
+
+    def tell(rows: list[dict]) -> None:  # as each batch is done, not all at the end
+        for row in rows:
+            say(f"{row['path']}: " + ", ".join(f"{name} {p:.3f}" for name, p in row["top"]))
+
+    rows, unreadable = predict(
+        str(opts.checkpoint), opts.inputs, opts.top_k, opts.batch_size, opts.device, opts.ema, tell
+    )
+    if opts.csv:
+        write_csv(rows, opts.csv)
+    for path, why in unreadable:
+        print(f"paratrain: skipped {path}: {why}", file=sys.stderr)
+    if unreadable:
+        raise UserError(
+            f"{len(unreadable)} of {len(rows) + len(unreadable)} image(s) could not be read "
+            "(listed above); the others were predicted"
+        )
+    return rows

@@ -21,6 +21,7 @@ from paratrain.config import TrainConfig
 from paratrain.data.folder import DataSplit, build_split
 from paratrain.data.loaders import Loaders, make_loaders, prepare_data
 from paratrain.distributed import comm
+from paratrain.distributed.env import DistEnv
 from paratrain.distributed.runtime import Runtime, seed_everything
 from paratrain.engine import precision as precision_module
 from paratrain.engine.checkpoint import Checkpointer, resume
@@ -50,7 +51,7 @@ from paratrain.report.run_files import (
 )
 from paratrain.report.tensorboard import Board
 
-__all__ = ["Run", "fit", "setup", "train_epoch", "train_step"]
+__all__ = ["Run", "fit", "setup", "train_epoch", "train_step", "train_worker"]
 
 
 @dataclass
@@ -72,6 +73,16 @@ class Run:
     metrics: MetricsWriter
     board: Board
     stepper: Stepper
+
+
+def train_worker(cfg: TrainConfig, env: DistEnv) -> dict:
+    """One process of a training job: its logger, its process group, fit()."""
+    from paratrain.distributed.runtime import distributed
+    from paratrain.log import setup_logging
+
+    setup_logging(env.rank, env.world_size)
+    with distributed(env, cfg.device, cfg.backend, cfg.timeout) as runtime:
+        return fit(cfg, runtime)
 
 
 def fit(cfg: TrainConfig, runtime: Runtime) -> dict:

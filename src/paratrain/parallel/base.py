@@ -153,6 +153,7 @@ class Strategy:
     one_process: ClassVar[bool] = False  # drives every device from a single process
     one_process_hint: ClassVar[str] = ""  # what --nproc does instead, for the refusal
     min_world: ClassVar[int] = 1
+    spreads: ClassVar[str] = "spreads the model across processes"  # why min_world
     min_devices: ClassVar[int] = 1  # the devices its layout needs (plan: 2 to partition)
     sharded_checkpoint: ClassVar[bool] = False  # each rank writes its shards (DCP)
     speed_order: ClassVar[int] = 100  # --strategy auto takes the lowest that fits
@@ -167,6 +168,7 @@ class Strategy:
             if feature not in self.takes and on(cfg):
                 others = ", ".join(self._takers(feature))
                 raise UserError(f"{flag} works with --strategy {others}, not {self.name}")
+        self.check_own(cfg, world)
         if self.one_process and (world or 1) > 1:
             raise UserError(
                 f"--strategy {self.name} runs in a single process; leave out --nproc, torchrun "
@@ -174,9 +176,12 @@ class Strategy:
             )
         if world is not None and world < self.min_world:
             raise UserError(
-                f"--strategy {self.name} spreads the model across processes; start "
-                f"{self.min_world} or more (--nproc N, torchrun or srun)"
+                f"--strategy {self.name} {self.spreads}; start {self.min_world} or more "
+                "(--nproc N, torchrun or srun)"
             )
+
+    def check_own(self, cfg: TrainConfig, world: int | None) -> None:
+        """The rules of the settings only this strategy reads (--stages, --devices ...)."""
 
     def _takers(self, feature: str) -> list[str]:
         from paratrain.parallel import STRATEGIES, get
@@ -272,4 +277,3 @@ def staged_memory(name: str, profile: MemoryProfile, pipelined: bool) -> DeviceM
 def parse_list(text: str | None) -> list[str]:
     """A comma-separated flag value as its items."""
     return [item.strip() for item in (text or "").split(",") if item.strip()]
-

@@ -65,7 +65,9 @@ class DataParallelStrategy(Strategy):
         )
         first = torch.device("cuda", 0)
         model = model.to(first)
-        return ModelParts([nn.DataParallel(model, device_ids=list(range(devices)))], devices=[first])
+        return ModelParts(
+            [nn.DataParallel(model, device_ids=list(range(devices)))], devices=[first]
+        )
 
 
 STRATEGY = DataParallelStrategy()

@@ -167,6 +167,7 @@ class FSDP(Strategy):
         "parameters are all-gathered for its forward and backward (about 1.5x DDP's traffic)"
     )
     min_world = 2
+    spreads = "shards the model across processes"
     min_devices = 2
     sharded_checkpoint = True
     speed_order = 1
@@ -190,7 +191,9 @@ class FSDP(Strategy):
             "(one computing, one prefetched)",
         )
 
-    def build(self, make: Callable[[torch.device | None], nn.Module], runtime: Runtime) -> nn.Module:
+    def build(
+        self, make: Callable[[torch.device | None], nn.Module], runtime: Runtime
+    ) -> nn.Module:
         """Rank 0 builds the model with its weights on the CPU; the others on the meta
         device, where it takes no memory (wrap() gives them rank 0's values)."""
         return make(None if runtime.rank == 0 else torch.device("meta"))

@@ -212,7 +212,9 @@ class PipelineParts(ModelParts):
             set_optimizer_state_dict,
         )
 
-        named = optim_state.by_name(optim_state.own_implementation(state, optimizer), self.full_names)
+        named = optim_state.by_name(
+            optim_state.own_implementation(state, optimizer), self.full_names
+        )
         if not self.sharded:
             optim_state.load_optimizer(optimizer, optim_state.by_index(named, self.local_names))
             return
@@ -253,13 +255,13 @@ class Pipeline(Strategy):
         "leave each device idle (P-1)/(M+P-1) of the time"
     )
     min_world = 2
+    spreads = "runs its stages in processes of their own"
     min_devices = 2
     sharded_checkpoint = True
     speed_order = 2
     takes = frozenset()
 
-    def check_settings(self, cfg: TrainConfig, world: int | None) -> None:
-        super().check_settings(cfg, world)
+    def check_own(self, cfg: TrainConfig, world: int | None) -> None:
         if cfg.schedule == "1f1b" and cfg.microbatches < cfg.stages:
             raise UserError(
                 f"--schedule 1f1b needs at least as many micro-batches as stages "
@@ -340,7 +342,9 @@ class Pipeline(Strategy):
         )
         loss = _Loss(cfg.microbatches)
         kind = ScheduleGPipe if cfg.schedule == "gpipe" else Schedule1F1B
-        schedule = kind(pipe_stage, n_microbatches=cfg.microbatches, loss_fn=loss, scale_grads=False)
+        schedule = kind(
+            pipe_stage, n_microbatches=cfg.microbatches, loss_fn=loss, scale_grads=False
+        )
         return PipelineParts(
             module,
             schedule,

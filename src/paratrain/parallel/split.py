@@ -58,8 +58,7 @@ class Split(Strategy):
     speed_order = 3
     takes = frozenset()
 
-    def check_settings(self, cfg: TrainConfig, world: int | None) -> None:
-        super().check_settings(cfg, world)
+    def check_own(self, cfg: TrainConfig, world: int | None) -> None:
         device_list(cfg)
 
     def check_machine(self, cfg: TrainConfig, world: int) -> None:
