@@ -1,15 +1,16 @@
 """Peak memory per process, FSDP vs DDP, side by side: ResNet-50 on 2 CPU processes.
 
-Each strategy runs in processes of its own. Every process measures its resident-memory
-high-water mark (VmHWM, reset through /proc/self/clear_refs just before the model is
-built) over building, wrapping and three training steps (SGD with momentum, fp32); on
-CUDA the allocator's peak (torch.cuda.max_memory_allocated). Printed per strategy: the
-largest peak over the processes, above the process's memory before the model, and its
-absolute value; then the ratio. The bytes each process holds in parameters, gradients
-and optimizer state (its shards under FSDP) are printed beside it, as what the peak is
-made of.
+Each strategy runs in processes of its own, built as a run builds it (fsdp: rank 0 on
+the CPU, the others on the meta device, filled by broadcast). Every process measures
+its resident-memory high-water mark (VmHWM, reset through /proc/self/clear_refs just
+before the model is built) over building, wrapping and three training steps (SGD with
+momentum, --precision 32 or bf16-mixed); on CUDA the allocator's peak
+(torch.cuda.max_memory_allocated). Printed per strategy: each rank's peak above its
+memory before the model, the largest absolute peak, and the bytes each process holds
+in parameters, gradients and optimizer state (its shards under FSDP); then the ratios.
 
     python benchmarks/fsdp_memory.py [--model resnet50] [--image-size 64] [--batch-size 8]
+        [--precision 32|bf16-mixed]
 """
 
 from __future__ import annotations
@@ -26,8 +27,7 @@ from paratrain.distributed.env import detect
 from paratrain.distributed.runtime import Runtime
 from paratrain.engine.precision import Precision
 from paratrain.engine.recipe import build_optimizer
-from paratrain.models.registry import build_model
-from paratrain.parallel.parallelize import parallelize
+from paratrain.parallel.parallelize import build_parts
 
 CLASSES = 10
 
@@ -49,7 +49,7 @@ def _worker(rank, world, args, strategy):
         model=args.model,
         image_size=args.image_size,
         batch_size=args.batch_size,
-        precision="32",
+        precision=args.precision,
         strategy=strategy,
     )
     cuda = torch.cuda.is_available()
@@ -64,9 +64,10 @@ def _worker(rank, world, args, strategy):
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     if cuda:
         torch.cuda.reset_peak_memory_stats(runtime.device)
-    parts = parallelize(build_model(cfg, CLASSES), cfg, runtime)
+    parts = build_parts(cfg, CLASSES, runtime)
+    built = torch.cuda.max_memory_allocated(runtime.device) if cuda else _status("VmHWM")
     optimizer = build_optimizer(parts, cfg, parts.replicas)
-    precision = Precision("32", runtime.device)
+    precision = Precision(args.precision, runtime.device)
     for _ in range(3):
         optimizer.zero_grad(set_to_none=True)
         parts.forward_backward(x, y, torch.nn.CrossEntropyLoss(), precision, 1)
@@ -79,7 +80,8 @@ def _worker(rank, world, args, strategy):
     held += sum(
         _local_bytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
     )
-    return {"peak": peak, "above": peak - (0 if cuda else before), "held": held, "cuda": cuda}
+    start = 0 if cuda else before
+    return {"peak": peak, "above": peak - start, "built": built - start, "held": held, "cuda": cuda}
 
 
 def main() -> None:
@@ -88,23 +90,23 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--precision", default="32", choices=("32", "bf16-mixed"))
     args = parser.parse_args()
     threads = max(1, len(os.sched_getaffinity(0)) // args.nproc)
     results = {s: spawn(_worker, args.nproc, threads, args, s) for s in ("ddp", "fsdp")}
     where = "CUDA allocator peak" if results["ddp"][0]["cuda"] else "resident high-water mark"
     print(
         f"{args.model}, {args.nproc} processes, batch {args.batch_size} x {args.image_size}px, "
-        f"SGD momentum, fp32; the largest process, MiB ({where})"
+        f"SGD momentum, precision {args.precision}; MiB ({where})"
     )
-    print(f"{'':<6}{'peak above start':>18}{'peak':>10}{'params+grads+optim held':>26}")
+    ranks = "".join(f"{f'rank {r} built':>14}{f'trained':>9}" for r in range(args.nproc))
+    print(f"{'':<6}{ranks}{'largest peak':>14}{'state held':>12}   (above the start)")
     worst = {}
     for strategy, per_rank in results.items():
         worst[strategy] = {k: max(r[k] for r in per_rank) for k in ("peak", "above", "held")}
         w = worst[strategy]
-        print(
-            f"{strategy:<6}{w['above'] / 2**20:18.1f}{w['peak'] / 2**20:10.1f}"
-            f"{w['held'] / 2**20:26.1f}"
-        )
+        each = "".join(f"{r['built'] / 2**20:14.1f}{r['above'] / 2**20:9.1f}" for r in per_rank)
+        print(f"{strategy:<6}{each}{w['peak'] / 2**20:14.1f}{w['held'] / 2**20:12.1f}")
     ratio = worst["fsdp"]["above"] / worst["ddp"]["above"]
     print(
         f"fsdp / ddp, peak memory above the start: {ratio:.3f}; "

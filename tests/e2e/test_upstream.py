@@ -125,8 +125,9 @@ PIPELINE_DDP = textwrap.dedent(
     "is not same as original model parameters size'). With static_graph=True the last "
     "stage's copies are never averaged, silently. The stage's DDP path is "
     "torch/distributed/pipelining/stage.py, backward_maybe_with_nosync; no upstream issue "
-    "was found to cite. paratrain shards each stage over its copies with FSDP2 instead "
-    "(parallel/pipeline.py), which the pipelining schedules drive correctly",
+    "was found to cite. paratrain's stage wrappers search for unused parameters "
+    "(find_unused_parameters=True, parallel/ddp.py), which keeps the reducer from "
+    "rebuilding its buckets and averages every copy: tests/distributed/test_partitioning.py",
 )
 @pytest.mark.parametrize("graph", ["dynamic", "static"])
 def test_ddp_wrapped_pipeline_stages_average_every_copys_gradients(tmp_path, graph):

@@ -59,17 +59,28 @@ class DDP(Strategy):
         return ModelParts([data_parallel(model, cfg, runtime)], **placed)
 
 
-def data_parallel(model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> DistributedDataParallel:
-    """``model`` in DDP over every rank, its gradient buckets the gradients themselves,
-    compressed as --grad-compression says."""
+def data_parallel(
+    model: nn.Module, cfg: TrainConfig, runtime: Runtime, group: dist.ProcessGroup | None = None
+) -> DistributedDataParallel:
+    """``model`` in DDP over ``group`` (default: every rank), its gradient buckets the
+    gradients themselves, compressed as --grad-compression says.
+
+    A pipeline stage's copies (``group`` given) search for unused parameters each step:
+    the schedule runs every backward but the last under ``no_sync``, and torch 2.14.1's
+    reducer otherwise counts the first step's gradients once per micro-batch (an internal
+    assert on the next forward), or with ``static_graph`` never averages the last stage
+    (both reproduced in plain torch by tests/e2e/test_upstream.py)."""
     device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
+    staged = group is not None
     wrapped = DistributedDataParallel(
         model,
         device_ids=device_ids,
+        process_group=group,
         # DDP's buckets become the .grad tensors: one copy of the gradients, not two.
         gradient_as_bucket_view=True,
         bucket_cap_mb=cfg.bucket_cap_mb,
-        static_graph=cfg.grad_accum == 1,
+        static_graph=cfg.grad_accum == 1 and not staged,
+        find_unused_parameters=staged,
     )
     register_compression(wrapped, cfg.grad_compression)
     return wrapped

@@ -4,12 +4,13 @@ Each process holds one stage of the model; every batch is cut into M micro-batch
 flow through the stages with torch.distributed.pipelining's schedules, so that stages
 work on different micro-batches at once. With W = P x D processes there are D copies
 (replicas) of the pipeline: rank r is stage r % P of replica r // P, so one replica's
-stages are neighbours (on one machine with --nproc). With D > 1 each stage is sharded
-over its D copies with FSDP2 (torchtitan's pipeline x data parallel), unit by unit: the
-schedule keeps every micro-batch but the last from reducing, and the last one's
-backward reduce-scatters each unit's gradients as soon as that unit is done, while the
-rest of backward runs — no all-reduce by hand after it. (DistributedDataParallel around
-a stage fails or goes wrong in torch 2.14.1: tests/e2e/test_upstream.py.)
+stages are neighbours (on one machine with --nproc). With D > 1 each stage's D copies are
+wrapped in DistributedDataParallel over their own group: the schedule runs every
+micro-batch but the last under DDP's no_sync, and the last one's backward all-reduces
+the gradients bucket by bucket while the rest of backward runs — no all-reduce by hand
+after it. The wrapper searches for unused parameters (``find_unused_parameters``):
+without it torch 2.14.1's DDP fails or averages nothing under the pipeline schedules
+(tests/e2e/test_upstream.py).
 
 Every stage of a replica reads the same batches (the first needs the images, the last
 the labels); the data is sharded over replicas, not processes. The loss, logits and
@@ -74,8 +75,6 @@ class PipelineParts(ModelParts):
         self.dp_group, self.full_names = dp_group, full_names
         self.local_names = optim_state.trainable_names(module, split)
         self.first, self.last = self.stage == 0, self.stage == self.stages - 1
-        self.sharded = self.replicas > 1  # the stage's copies share its parameters (FSDP2)
-        self.fused_optimizer = not self.sharded  # no fused kernel over DTensors (torch 2.14)
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor | None:
         """Forward only (evaluation): the logits on the last stage, None before it."""
@@ -118,39 +117,20 @@ class PipelineParts(ModelParts):
         for buffer in self[0].buffers():
             dist.broadcast(buffer, src=self.stage, group=self.dp_group)  # replica 0's rank
 
-    def _whole(self):
-        """Options for whole tensors of this stage on every rank that holds it (gathered
-        from its copies' shards where the stage is sharded)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-        return StateDictOptions(full_state_dict=True)
-
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Rank 0 gets the whole model's state dict (replica 0's stages); others {}."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        stage = get_model_state_dict(self[0], options=self._whole())  # a collective
-        own = {k: v.detach().cpu() for k, v in stage.items()} if self.replica == 0 else {}
+        own = super().state_dict() if self.replica == 0 else {}
         merged: dict[str, torch.Tensor] = {}
         for part in _gather_to_main(own):
             merged.update(part)
         return merged
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """A whole-model state dict: each stage takes its own keys (its copies their
-        shards of them)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        own = {k: v for k, v in state.items() if k in self[0].state_dict()}
-        set_model_state_dict(self[0], own, options=StateDictOptions(full_state_dict=True))
-
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         """The whole model's optimizer state on rank 0, merged from replica 0's stages
         (a collective)."""
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        named = get_optimizer_state_dict(self[0], optimizer, options=self._whole())
-        own = _on_cpu(named) if self.replica == 0 else None
+        own = None
+        if self.replica == 0:
+            own = optim_state.by_name(optimizer.state_dict(), self.local_names)
         stages = [part for part in _gather_to_main(own) if part is not None]
         if not comm.is_main():
             return {}
@@ -160,16 +140,12 @@ class PipelineParts(ModelParts):
     def sharded_state(
         self, optimizer: torch.optim.Optimizer
     ) -> tuple[dict[str, torch.Tensor], list[dict]]:
-        """This stage's tensors (its copies' shards, as DTensors), under the whole
-        model's names: a stage's keys are its own, and replicas of a stage hold the same
-        keys (DCP writes each part once)."""
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
+        """This stage's tensors, under the whole model's names: a stage's keys are its
+        own, and replicas of a stage hold the same keys (DCP writes them once)."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         named = get_optimizer_state_dict(self[0], optimizer)
-        model = {k: v.detach() for k, v in get_model_state_dict(self[0]).items()}
+        model = {k: v.detach() for k, v in self[0].state_dict().items()}
         return optim_state.flatten(model, named), named["param_groups"]
 
     def load_sharded_state(
@@ -178,7 +154,7 @@ class PipelineParts(ModelParts):
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
         model, named = optim_state.unflatten(flat, groups)
-        own = self[0].state_dict()  # copied into the live tensors (or shards)
+        own = self[0].state_dict()  # copied into the live tensors
         with torch.no_grad():
             for name, value in model.items():
                 if own[name] is not value:
@@ -207,39 +183,10 @@ class PipelineParts(ModelParts):
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         """This stage's share of a whole-model optimizer state."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_optimizer_state_dict,
-        )
-
         named = optim_state.by_name(
             optim_state.own_implementation(state, optimizer), self.full_names
         )
-        if not self.sharded:
-            optim_state.load_optimizer(optimizer, optim_state.by_index(named, self.local_names))
-            return
-        mine = set(self.local_names)
-        own = {
-            "state": {k: v for k, v in named["state"].items() if k in mine},
-            "param_groups": [
-                {**g, "params": [n for n in g["params"] if n in mine]}
-                for g in named["param_groups"]
-            ],
-        }
-        set_optimizer_state_dict(
-            self[0], optimizer, own, options=StateDictOptions(full_state_dict=True)
-        )
-
-
-def _on_cpu(value):
-    """Every tensor in a nested state dict moved to the CPU (what rank 0 gathers)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _on_cpu(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_on_cpu(v) for v in value]
-    return value
+        optim_state.load_optimizer(optimizer, optim_state.by_index(named, self.local_names))
 
 
 def _gather_to_main(obj) -> list:
@@ -334,11 +281,13 @@ class Pipeline(Strategy):
         starts = comm.broadcast_object(starts)
         module = partition.build_stages(traced, starts, contiguous_outputs=True)[layout.stage]
         module = module.to(runtime.device)
-        if replicas > 1:  # the stage's copies reduce its gradients while backward runs
-            units = partition.stage_units(traced, starts)[layout.stage]
-            _shard_stage(module, [unit.name for unit in units], mesh["dp"])
+        runs: nn.Module = module
+        if replicas > 1:  # the stage's copies average its gradients while backward runs
+            from paratrain.parallel.ddp import data_parallel
+
+            runs = data_parallel(module, cfg, runtime, mesh.get_group("dp"))
         pipe_stage = PipelineStage(
-            module, layout.stage, stages, runtime.device, group=mesh.get_group("pp")
+            runs, layout.stage, stages, runtime.device, group=mesh.get_group("pp")
         )
         loss = _Loss(cfg.microbatches)
         kind = ScheduleGPipe if cfg.schedule == "gpipe" else Schedule1F1B
@@ -355,27 +304,6 @@ class Pipeline(Strategy):
             runtime,
             optim_state.splits_decay(cfg),
         )
-
-
-def _shard_stage(module: nn.Module, units: list[str], dp_mesh) -> None:
-    """The stage sharded over its copies, each unit of it (a block) its own FSDP2 group,
-    so that its gradients are reduced as soon as its backward is done, then the rest.
-    The traced stage calls a block's layers, not the block (torch.fx traces into it), so a
-    group is the list of the unit's layers that hold parameters. Parameters stay gathered
-    between a micro-batch's forward and its backward (``reshard_after_forward=False``:
-    one all-gather per step, not one per micro-batch)."""
-    from torch.distributed.fsdp import fully_shard
-
-    for name in units:
-        layers = [
-            layer
-            for path, layer in module.named_modules()
-            if (path == name or path.startswith(name + "."))
-            and any(True for _ in layer.parameters(recurse=False))
-        ]
-        if layers:
-            fully_shard(layers, mesh=dp_mesh, reshard_after_forward=False)
-    fully_shard(module, mesh=dp_mesh, reshard_after_forward=False)
 
 
 STRATEGY = Pipeline()
