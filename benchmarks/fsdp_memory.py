@@ -99,7 +99,7 @@ def main() -> None:
         f"{args.model}, {args.nproc} processes, batch {args.batch_size} x {args.image_size}px, "
         f"SGD momentum, precision {args.precision}; MiB ({where})"
     )
-    ranks = "".join(f"{f'rank {r} built':>14}{f'trained':>9}" for r in range(args.nproc))
+    ranks = "".join(f"{f'rank {r} built':>14}{'trained':>9}" for r in range(args.nproc))
     print(f"{'':<6}{ranks}{'largest peak':>14}{'state held':>12}   (above the start)")
     worst = {}
     for strategy, per_rank in results.items():

@@ -22,10 +22,10 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from paratrain.data.cache import CachedImages, batched, cached_train_transform, prepare
-from paratrain.data.folder import ImageSamples, build_split
+from paratrain.data.cache import CachedImages, prepare
+from paratrain.data.folder import build_split
 from paratrain.data.samplers import TrainSampler
-from paratrain.data.transforms import train_transform
+from paratrain.data.transforms import DecodedSamples, TrainAugment, batched
 
 
 def make_jpegs(root: Path, count: int, classes: int = 5) -> Path:
@@ -48,7 +48,7 @@ def make_jpegs(root: Path, count: int, classes: int = 5) -> Path:
 
 def images_per_second(dataset, count: int, batch: int) -> float:
     sampler = TrainSampler(len(dataset), 0, 1, seed=0)
-    extra = {"collate_fn": batched} if isinstance(dataset, CachedImages) else {}
+    extra = {"collate_fn": batched}
     loader = DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=0, **extra)
     seen, start = 0, time.perf_counter()
     for images, _ in loader:
@@ -77,8 +77,8 @@ def main() -> None:
         start = time.perf_counter()
         cache = prepare(everything, args.image_size, "on", 100.0, str(root / "cache"), workers=0)
         build = time.perf_counter() - start
-        decode_set = ImageSamples(split.train, train_transform(args.image_size))
-        cache_set = CachedImages(split.train, cache, cached_train_transform(args.image_size))
+        decode_set = DecodedSamples(split.train, TrainAugment(args.image_size))
+        cache_set = CachedImages(split.train, cache, TrainAugment(args.image_size))
         rates = {"decode": [], "cache": []}
         for _ in range(args.rounds):
             rates["decode"].append(images_per_second(decode_set, args.measure, 32))

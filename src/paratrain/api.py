@@ -72,13 +72,14 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, say: Say = print) -> dict 
     from paratrain.bench import autopilot
     from paratrain.engine import preflight
     from paratrain.engine.describe import dry_run as describe
+    from paratrain.engine.describe import embedded_data
     from paratrain.engine.trainer import train_worker
 
     cfg.validate()
     env = detect(os.environ)
     checked = preflight.already_checked()
     if cfg.data is None:  # the embedded digits set: written once, or described unwritten
-        if (found := preflight.embedded_data(cfg, env, dry_run, say)) is None:
+        if (found := embedded_data(cfg, env, dry_run, say)) is None:
             return None
         cfg = found
     if not checked:
@@ -231,12 +232,10 @@ def scale(cfg: TrainConfig, opts: ScaleOptions, say: Say = print) -> dict | None
 def plan(cfg: TrainConfig, opts: PlanOptions, say: Say = print) -> dict | None:
     """Per-device memory of each strategy; which fit; the recommendation."""
     from paratrain.bench import memory
-    from paratrain.models.registry import check_input_size
 
     cfg.validate()
     opts.validate()
-    memory.parse_size(opts.device_memory or "")
-    check_input_size(cfg.model, cfg.image_size)
+    memory.check_plan(cfg, opts)
     if opts.dry_run:
         say(memory.describe_plan(cfg, opts))
         return None
@@ -254,12 +253,10 @@ def slurm(job: SlurmOptions, cfg: TrainConfig, train_args: list[str], say: Say =
     value, every combination, the model at its image size."""
     from paratrain.distributed.slurm import sbatch_script
     from paratrain.engine.preflight import check_settings
-    from paratrain.models.registry import check_input_size
 
     job.validate()
     cfg.validate()
-    check_settings(cfg, job.nodes * job.per_node)
-    check_input_size(cfg.model, cfg.image_size)
+    check_settings(cfg, job.nodes * job.per_node, model=True)
     say(sbatch_script(job, train_args).rstrip("\n"))
     return 0
 

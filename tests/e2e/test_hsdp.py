@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_cluster import _env, _stub_bin
 
 from imagefolders import make_image_folder
 from paratrain.cli import main
 from paratrain.engine import checkpoint
 from spawn import fit_on_rank, run_distributed
-from test_cluster import _env, _stub_bin
 
 pytestmark = pytest.mark.slow
 
@@ -72,8 +72,9 @@ def test_hsdp_on_two_nodes_trains_as_ddp_does(two_nodes):
     assert (state.layout["replicate"], state.layout["shard"]) == (2, 2)  # nodes x processes
     # the same loss curve: the same weights and gradients (fp32; sums in another order)
     assert _losses(hsdp) == pytest.approx(_losses(ddp), rel=1e-5)
-    whole, reference = checkpoint.load(hsdp / "checkpoints/last"), checkpoint.load(
-        ddp / "checkpoints/last.pt"
+    whole, reference = (
+        checkpoint.load(hsdp / "checkpoints/last"),
+        checkpoint.load(ddp / "checkpoints/last.pt"),
     )
     for key, value in reference.model.items():
         torch.testing.assert_close(whole.model[key], value, rtol=1e-4, atol=1e-5, msg=key)

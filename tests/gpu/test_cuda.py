@@ -189,12 +189,12 @@ def test_loader_batches_arrive_pinned_and_augment_on_the_gpu(tmp_path, data):
 
 
 def test_jpegs_decode_on_the_gpu(tmp_path, data):
-    from paratrain.data.cache import CachedTrainTransform
     from paratrain.data.device_batches import DeviceAugmented
     from paratrain.data.folder import build_split
+    from paratrain.data.transforms import TrainAugment
 
     split = build_split(data)
-    batch, _ = DeviceAugmented(split.train[:6], CachedTrainTransform(32)).__getitems__(
+    batch, _ = DeviceAugmented(split.train[:6], TrainAugment(32)).__getitems__(
         [(i, i) for i in range(6)]
     )
     assert all(batch.encoded)

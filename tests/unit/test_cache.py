@@ -12,11 +12,10 @@ from imagefolders import make_image_folder
 from paratrain.data.cache import (
     CachedImages,
     cached_eval_transform,
-    cached_train_transform,
     prepare,
 )
 from paratrain.data.folder import ImageSamples, build_split, load_rgb, open_image
-from paratrain.data.transforms import eval_resize, eval_transform
+from paratrain.data.transforms import TrainAugment, eval_resize, eval_transform
 
 
 def _varied_folder(root):
@@ -70,7 +69,7 @@ def test_large_jpegs_decode_at_reduced_scale_and_stay_large_enough(tmp_path):
 def test_train_transform_on_cached_uint8(tmp_path):
     split = build_split(_varied_folder(tmp_path / "d"))
     cache = prepare(split.train, 24, "on", 1.0, str(tmp_path / "cache"), workers=0)
-    dataset = CachedImages(split.train, cache, cached_train_transform(24, 0.3, 0.5))
+    dataset = CachedImages(split.train, cache, TrainAugment(24, 0.3, 0.5))
     image, _ = dataset[(0, 123)]
     again, _ = dataset[(0, 123)]
     other, _ = dataset[(0, 124)]
@@ -97,7 +96,7 @@ def test_changed_data_rebuilds_and_auto_respects_the_budget(tmp_path):
 def test_crop_boxes_stay_inside_and_follow_scale_and_ratio():
     import math
 
-    transform = cached_train_transform(32, crop_scale_min=0.25)
+    transform = TrainAugment(32, crop_scale_min=0.25)
     generator = torch.Generator().manual_seed(0)
     for height, width in [(40, 60), (60, 40), (27, 300), (300, 27)]:
         for _ in range(200):

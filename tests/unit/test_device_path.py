@@ -15,9 +15,10 @@ from torchvision import transforms as T
 
 from imagefolders import make_image_folder
 from paratrain import TrainConfig, train
-from paratrain.data.cache import CachedImages, CachedTrainTransform, prepare
+from paratrain.data.cache import CachedImages, prepare
 from paratrain.data.device_batches import DeviceAugmented, DeviceBatch, faster_on_device
 from paratrain.data.folder import build_split
+from paratrain.data.transforms import TrainAugment
 from paratrain.distributed.env import DistEnv
 from paratrain.distributed.runtime import Runtime
 from paratrain.engine.control import CUDA_CHECK_EVERY, NonFiniteLoss, StepControl
@@ -41,12 +42,8 @@ def test_augmenting_on_the_device_gives_the_cpu_paths_tensors(split, tmp_path):
     """Same boxes for the same draws, same flips, same normalisation: bit for bit."""
     cache = prepare(split.train, 24, "on", 1.0, str(tmp_path / "cache"), workers=0)
     keys = [(i, 1000 + i) for i in range(len(split.train))]
-    on_cpu, labels = CachedImages(split.train, cache, CachedTrainTransform(24, 0.3)).__getitems__(
-        keys
-    )
-    batch, same = DeviceAugmented(split.train, CachedTrainTransform(24, 0.3), cache).__getitems__(
-        keys
-    )
+    on_cpu, labels = CachedImages(split.train, cache, TrainAugment(24, 0.3)).__getitems__(keys)
+    batch, same = DeviceAugmented(split.train, TrainAugment(24, 0.3), cache).__getitems__(keys)
     assert isinstance(batch, DeviceBatch) and torch.equal(labels, same)
     assert torch.equal(batch.on(torch.device("cpu"), torch.contiguous_format), on_cpu)
     assert batch.flips.any() and not batch.flips.all()  # both kinds were drawn
@@ -55,7 +52,7 @@ def test_augmenting_on_the_device_gives_the_cpu_paths_tensors(split, tmp_path):
 def test_the_crop_boxes_are_distributed_as_torchvisions_random_resized_crop():
     """The boxes drawn for the device (and cached) path against torchvision's own
     RandomResizedCrop.get_params on the same image size: area share and aspect ratio."""
-    transform, image = CachedTrainTransform(32, 0.08), torch.zeros(3, 300, 400)
+    transform, image = TrainAugment(32, 0.08), torch.zeros(3, 300, 400)
     ours, theirs = [], []
     torch.manual_seed(0)
     for _ in range(4000):

@@ -15,11 +15,11 @@ from imagefolders import make_image_folder
 from paratrain import TrainConfig, train
 from paratrain.cli import build_parser, main, resolve_train_args
 from paratrain.config.train import RECIPES, read_recipe, shipped_recipes
-from paratrain.data.cache import CachedImages, CachedTrainTransform, prepare
+from paratrain.data.cache import CachedImages, prepare
 from paratrain.data.device_batches import DeviceAugmented
-from paratrain.data.folder import ImageSamples, build_split
+from paratrain.data.folder import build_split
 from paratrain.data.samplers import TrainSampler
-from paratrain.data.transforms import Augment, eval_transform, train_transform
+from paratrain.data.transforms import Augment, DecodedSamples, TrainAugment, eval_transform
 from paratrain.engine.recipe import build_optimizer, param_groups
 from paratrain.errors import UserError
 from paratrain.models.registry import create_model
@@ -38,23 +38,23 @@ def split(tmp_path):
 def test_a_policy_changes_pixels_keeps_labels_and_repeats_from_its_seed(split, tmp_path, policy):
     cache = prepare(split.train, 24, "on", 1.0, str(tmp_path / "c"), workers=0)
     keys = [(i, 77 + i) for i in range(len(split.train))]
-    plain = CachedImages(split.train, cache, CachedTrainTransform(Augment(24, 0.3)))
+    plain = CachedImages(split.train, cache, TrainAugment(Augment(24, 0.3)))
     rich = Augment(24, 0.3, policy=policy, random_erase=0.5)
-    with_policy = CachedImages(split.train, cache, CachedTrainTransform(rich))
+    with_policy = CachedImages(split.train, cache, TrainAugment(rich))
     a, labels = plain.__getitems__(keys)
     b, same = with_policy.__getitems__(keys)
     assert torch.equal(labels, same) and not torch.equal(a, b)
     assert torch.equal(with_policy.__getitems__(keys)[0], b)  # the seed decides every draw
-    device, _ = DeviceAugmented(split.train, CachedTrainTransform(rich), cache).__getitems__(keys)
+    device, _ = DeviceAugmented(split.train, TrainAugment(rich), cache).__getitems__(keys)
     assert torch.equal(device.on(torch.device("cpu"), torch.contiguous_format), b)
-    decoded = ImageSamples(split.train, train_transform(rich))  # the decode path takes it too
-    assert decoded[(0, 5)][0].shape == (3, 24, 24) and decoded[(0, 5)][1] == split.train[0][1]
+    decoded, labels_decoded = DecodedSamples(split.train, TrainAugment(rich)).__getitems__(keys)
+    assert decoded.shape == b.shape and torch.equal(labels_decoded, labels)  # the same one
 
 
 def test_random_erasing_erases(split):
     image = torch.randint(0, 255, (3, 40, 40), dtype=torch.uint8)
-    erased = CachedTrainTransform(Augment(32, 0.5, random_erase=1.0)).sample(image, seed=3)
-    kept = CachedTrainTransform(Augment(32, 0.5)).sample(image, seed=3)
+    erased = TrainAugment(Augment(32, 0.5, random_erase=1.0)).sample(image, seed=3)
+    kept = TrainAugment(Augment(32, 0.5)).sample(image, seed=3)
     assert (erased == 0).sum() > (kept == 0).sum() + 50
 
 

@@ -20,9 +20,9 @@ from torch import nn
 from imagefolders import make_image_folder
 from paratrain import TrainConfig, train
 from paratrain.cli import main
-from paratrain.data.folder import ImageSamples
 from paratrain.data.samplers import TrainBatches, TrainSampler
 from paratrain.data.scan import find_bad_images
+from paratrain.data.transforms import DecodedSamples
 from paratrain.distributed.env import DistEnv
 from paratrain.distributed.runtime import Runtime
 from paratrain.engine import checkpoint
@@ -202,14 +202,14 @@ def test_resuming_mid_epoch_with_another_batch_neither_skips_nor_repeats(tmp_pat
     """An epoch interrupted after 2 steps of 4 images, resumed with batches of 6: every
     training image of the epoch is trained on exactly once."""
     data = make_image_folder(tmp_path / "data", classes=4, per_class=10)  # 32 train
-    seen: list[int] = []
-    original = ImageSamples.__getitem__
+    seen: list[int] = []  # the training images read, in order
+    original = DecodedSamples.load
 
-    def recording(self, key):
-        seen.append(key[0] if isinstance(key, tuple) else key)
-        return original(self, key)
+    def recording(self, index):
+        seen.append(index)
+        return original(self, index)
 
-    monkeypatch.setattr(ImageSamples, "__getitem__", recording)
+    monkeypatch.setattr(DecodedSamples, "load", recording)
     common = dict(
         data=str(data),
         epochs=1,
@@ -232,8 +232,7 @@ def test_resuming_mid_epoch_with_another_batch_neither_skips_nor_repeats(tmp_pat
             train(TrainConfig(**{**common, key: value, "resume": "auto"}))
     assert not seen  # refused before any image was read
     train(TrainConfig(**{**common, "batch_size": 6, "resume": "auto"}))
-    rest = seen[: 32 - 8]  # before the epoch's evaluation
-    assert sorted(first + rest) == list(range(32))
+    assert sorted(first + seen) == list(range(32))
 
 
 def test_no_training_batch_holds_one_image():

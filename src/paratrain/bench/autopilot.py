@@ -353,23 +353,17 @@ def range_test(cfg: TrainConfig, steps: int, plot: Path | None, say) -> Choice:
     ``steps`` steps (seeded: repeatable)."""
     from torch.utils.data import DataLoader
 
-    from paratrain.data.folder import ImageSamples, build_split
-    from paratrain.data.transforms import Augment, train_transform
+    from paratrain.data.folder import build_split
+    from paratrain.data.samplers import TrainBatches, train_sampler
+    from paratrain.data.transforms import Augment, DecodedSamples, TrainAugment, batched
 
     split = build_split(cfg.data, cfg.val_fraction, cfg.split_seed)
     sweep = replace(cfg, lr=1.0, lr_scaling="none", nproc=1, ema_decay=None)
     torch.manual_seed(cfg.seed)
     stepper = _one_process_stepper(sweep, torch.device("cpu"), len(split.classes))
-    generator = torch.Generator().manual_seed(cfg.seed)
-    data = ImageSamples(split.train, train_transform(Augment.of(cfg)))
-    loader = DataLoader(
-        data,
-        batch_size=cfg.batch,
-        shuffle=True,
-        generator=generator,
-        num_workers=0,
-        drop_last=len(data) > cfg.batch,
-    )
+    data = DecodedSamples(split.train, TrainAugment(Augment.of(cfg)))
+    order = train_sampler(len(data), 0, 1, cfg.seed)  # shuffled, each sample its own seed
+    loader = DataLoader(data, batch_sampler=TrainBatches(order, cfg.batch), collate_fn=batched)
     lrs, losses = [], []
     ratio = (RANGE[1] / RANGE[0]) ** (1 / max(steps - 1, 1))
     batches = iter(loader)

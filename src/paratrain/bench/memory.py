@@ -221,6 +221,14 @@ def plan(cfg: TrainConfig, opts: PlanOptions) -> tuple[dict, str]:
     return result, format_plan(rows, limit, opts.devices, choice, why, heading)
 
 
+def check_plan(cfg: TrainConfig, opts: PlanOptions) -> None:
+    """What `paratrain plan` can be found wrong about before profiling anything."""
+    from paratrain.models.registry import check_input_size
+
+    parse_size(opts.device_memory or "")
+    check_input_size(cfg.model, cfg.image_size)
+
+
 def describe_plan(cfg: TrainConfig, opts: PlanOptions) -> str:
     """What `plan --dry-run` says would run."""
     return (

@@ -14,7 +14,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import math
 import os
 import shutil
 import socket
@@ -27,27 +26,23 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms as T
 from torchvision.transforms import v2
-from torchvision.transforms.v2 import functional as F2  # uint8 fast path for resizing
 from tqdm import tqdm
 
 from paratrain.data.builtin import default_cache_dir
 from paratrain.data.folder import (
     IMAGE_ERRORS,
-    ImageSamples,
     Sample,
     open_image,
     read_rgb,
-    seeded,
     upright_size,
 )
 from paratrain.data.transforms import (
     IMAGENET_MEAN,
     IMAGENET_STD,
-    INTERPOLATION,
-    Augment,
+    AugmentedSamples,
     eval_resize,
     resized_size,
 )
@@ -414,8 +409,8 @@ def survey(
     return CachePlan("build", directory, total, shapes=shapes)
 
 
-class CachedImages(ImageSamples):
-    """ImageSamples read from the cache, each from the slot its file was stored in."""
+class CachedImages(AugmentedSamples):
+    """Samples read from the cache, each from the slot its file was stored in."""
 
     def __init__(
         self, samples: Sequence[Sample], cache: DecodedCache, transform: Callable | None = None
@@ -428,135 +423,9 @@ class CachedImages(ImageSamples):
         """The sample's pixels from the cache instead of its file."""
         return self.cache.image(self.slots[index])
 
-    def __getitems__(self, keys: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """A whole batch at once (the DataLoader asks for it so): a transform that can
-        write into its slot of the batch does, which saves a copy of every image."""
-        labels = torch.tensor([self.samples[k[0] if isinstance(k, tuple) else k][1] for k in keys])
-        if not isinstance(self.transform, CachedTrainTransform):
-            return default_collate([self[k] for k in keys])[0], labels
-        size = self.transform.size
-        batch = torch.empty(len(keys), 3, size, size)
-        for slot, (index, seed) in zip(batch, keys, strict=True):
-            self.transform.sample(self.load(index), seed, out=slot)
-        return batch, labels
-
-
-def batched(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """collate_fn for CachedImages: its __getitems__ returns the batch ready."""
-    return batch
-
 
 def _to_float(image: torch.Tensor) -> torch.Tensor:
     return image.float().div(255)  # as ToTensor does, so both paths agree bit for bit
-
-
-POLICY_SEED = 0x5EED_0F_A11  # the policy's and eraser's draws: a stream of their own
-
-
-def policy_seed(seed: int) -> int:
-    """The seed of a sample's policy and erasing draws, apart from its crop's, so the
-    cached and the device path draw them alike (the device draws them later)."""
-    return seed ^ POLICY_SEED
-
-
-class CachedTrainTransform:
-    """RandomResizedCrop + horizontal flip + policy + normalisation + erasing on a cached
-    uint8 CHW tensor.
-
-    The same augmentation as the decode path's, written against torchvision's functional
-    API: the transform classes' dispatch costs as much as the resize itself at this size.
-    """
-
-    def __init__(self, size: int | Augment, crop_scale_min: float = 0.08, hflip: float = 0.5):
-        aug = size if isinstance(size, Augment) else Augment(size, crop_scale_min, hflip)
-        self.size, self.scale, self.hflip = aug.size, (aug.crop_scale_min, 1.0), aug.hflip
-        self.interpolation = INTERPOLATION[aug.interpolation]
-        self.policy, self.eraser = aug.policy_transform(), aug.eraser()
-        self.mean = torch.tensor(IMAGENET_MEAN).mul(255).view(3, 1, 1)
-        self.inv_std = torch.tensor(IMAGENET_STD).mul(255).reciprocal().view(3, 1, 1)
-
-    def crop_box(self, height: int, width: int, draws: list[float]) -> tuple[int, int, int, int]:
-        """RandomResizedCrop's box (torchvision's algorithm: 10 tries, then the centre),
-        from random numbers drawn all at once."""
-        area = height * width
-        low, high = math.log(3 / 4), math.log(4 / 3)
-        for attempt in range(10):
-            u = draws[4 * attempt : 4 * attempt + 4]
-            target = area * (self.scale[0] + (self.scale[1] - self.scale[0]) * u[0])
-            aspect = math.exp(low + (high - low) * u[1])
-            w = int(round(math.sqrt(target * aspect)))
-            h = int(round(math.sqrt(target / aspect)))
-            if 0 < w <= width and 0 < h <= height:
-                return int(u[2] * (height - h + 1)), int(u[3] * (width - w + 1)), h, w
-        ratio = width / height
-        if ratio < 3 / 4:
-            w, h = width, int(round(width / (3 / 4)))
-        elif ratio > 4 / 3:
-            h, w = height, int(round(height * (4 / 3)))
-        else:
-            w, h = width, height
-        return (height - h) // 2, (width - w) // 2, h, w
-
-    def draw(self, height: int, width: int) -> tuple[tuple[int, int, int, int], bool]:
-        """The crop box and the flip of one image, from the torch generator (seeded per
-        sample by the dataset): the same draws wherever the image is then augmented."""
-        draws = torch.rand(41).tolist()  # one call to the generator, not forty
-        return self.crop_box(height, width, draws), self.hflip > 0 and draws[40] < self.hflip
-
-    def apply(
-        self,
-        image: torch.Tensor,
-        box: tuple[int, int, int, int],
-        flip: bool,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Crop, resize, flip and normalise ``image`` on its own device."""
-        top, left, height, width = box
-        crop = F2.resized_crop(
-            image,
-            top,
-            left,
-            height,
-            width,
-            [self.size, self.size],
-            interpolation=self.interpolation,
-            antialias=True,
-        )
-        if flip:
-            crop = crop.flip(-1)
-        if self.policy is not None:
-            crop = self.policy(crop)
-        out = crop.float() if out is None else out.copy_(crop)
-        mean, inv_std = self._constants(out.device)
-        out = out.sub_(mean).mul_(inv_std)
-        if self.eraser is not None:
-            out.copy_(self.eraser(out))
-        return out
-
-    def _constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.mean.device != device:
-            self.mean, self.inv_std = self.mean.to(device), self.inv_std.to(device)
-        return self.mean, self.inv_std
-
-    def __call__(self, image: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        box, flip = self.draw(image.shape[-2], image.shape[-1])
-        return self.apply(image, box, flip, out)
-
-    def sample(
-        self, image: torch.Tensor, seed: int, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """The augmentation of one sample, every draw from its seed."""
-        with seeded(seed):
-            box, flip = self.draw(image.shape[-2], image.shape[-1])
-        with seeded(policy_seed(seed)):
-            return self.apply(image, box, flip, out)
-
-
-def cached_train_transform(
-    size: int, crop_scale_min: float = 0.08, hflip: float = 0.5
-) -> CachedTrainTransform:
-    """The training augmentation on cached uint8 images (see CachedTrainTransform)."""
-    return CachedTrainTransform(size, crop_scale_min, hflip)
 
 
 def cached_eval_transform(size: int) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -18,8 +18,8 @@ from dataclasses import dataclass, replace
 import torch
 from PIL import Image
 
-from paratrain.data.cache import CachedTrainTransform, policy_seed
 from paratrain.data.folder import ImageSamples, Sample, load_rgb, seeded, upright_size
+from paratrain.data.transforms import TrainAugment, policy_seed, to_chw
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 
@@ -33,7 +33,7 @@ class DeviceBatch:
     boxes: torch.Tensor  # (B, 4) int64: top, left, height, width in the upright image
     flips: torch.Tensor  # (B,) bool
     seeds: list[int]  # each sample's: its policy and erasing draw from policy_seed(seed)
-    augment: CachedTrainTransform  # its apply(): crop, resize, flip, policy, normalise, erase
+    augment: TrainAugment  # its apply(): crop, resize, flip, policy, normalise, erase
 
     def __len__(self) -> int:
         return len(self.images)
@@ -87,8 +87,8 @@ class DeviceAugmented(ImageSamples):
             with Image.open(io.BytesIO(raw)) as header:  # the header only: no decoding
                 height, width = upright_size(header)
             return torch.frombuffer(bytearray(raw), dtype=torch.uint8), True, (height, width)
-        pixels = torch.from_numpy(_array(load_rgb(path))).permute(2, 0, 1).contiguous()
-        return pixels, False, tuple(pixels.shape[-2:])
+        pixels = to_chw(load_rgb(path)).contiguous()
+        return pixels, False, (pixels.shape[-2], pixels.shape[-1])
 
     def __getitems__(self, keys: list) -> tuple[DeviceBatch, torch.Tensor]:
         labels = torch.tensor([self.samples[index][1] for index, _ in keys])
@@ -110,12 +110,6 @@ class DeviceAugmented(ImageSamples):
             self.transform,
         )
         return batch, labels
-
-
-def _array(image: Image.Image):
-    import numpy as np
-
-    return np.asarray(image, dtype=np.uint8)
 
 
 def to_model(

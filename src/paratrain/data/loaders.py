@@ -13,19 +13,18 @@ from pathlib import Path
 from torch.utils.data import DataLoader
 
 from paratrain.config import TrainConfig
-from paratrain.data.cache import (
-    CachedImages,
-    CachedTrainTransform,
-    DecodedCache,
-    batched,
-    cached_eval_transform,
-    prepare,
-)
+from paratrain.data.cache import CachedImages, DecodedCache, cached_eval_transform, prepare
 from paratrain.data.device_batches import DeviceAugmented, decode_faster_on_device
 from paratrain.data.folder import DataSplit, ImageSamples, Sample
 from paratrain.data.samplers import ShardedEvalSampler, TrainBatches, TrainSampler, train_sampler
 from paratrain.data.scan import screen
-from paratrain.data.transforms import Augment, eval_samples, train_transform
+from paratrain.data.transforms import (
+    Augment,
+    DecodedSamples,
+    TrainAugment,
+    batched,
+    eval_samples,
+)
 from paratrain.distributed.runtime import Runtime, threads_per_process
 from paratrain.errors import AgreedUserError
 
@@ -119,15 +118,15 @@ def make_loaders(
     on_device = cfg.augment_on == "device" or (
         cfg.augment_on == "auto" and runtime.device.type == "cuda"
     )
-    augment = Augment.of(cfg)
+    augment = TrainAugment(Augment.of(cfg))
+    common["collate_fn"] = batched
+    train_set: ImageSamples
     if on_device and (cache is not None or _decode_on_device(cfg, split, runtime, workers)):
-        train_set = DeviceAugmented(split.train, CachedTrainTransform(augment), cache)
-        common["collate_fn"] = batched
+        train_set = DeviceAugmented(split.train, augment, cache)
     elif cache is not None:
-        train_set = CachedImages(split.train, cache, CachedTrainTransform(augment))
-        common["collate_fn"] = batched
+        train_set = CachedImages(split.train, cache, augment)
     else:
-        train_set = ImageSamples(split.train, train_transform(augment))
+        train_set = DecodedSamples(split.train, augment)
     sampler = train_sampler(len(train_set), replica, replicas, cfg.seed, cfg.ra_reps)
     if len(sampler) == 1:
         raise AgreedUserError(

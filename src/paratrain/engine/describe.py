@@ -8,6 +8,7 @@ it built (its loaders, its cache, its model's parts).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -160,3 +161,37 @@ def resumable(cfg: TrainConfig, classes: list[str]) -> str:
     if progress.epoch >= cfg.epochs:
         also += f"; nothing left to train at --epochs {cfg.epochs}"
     return f"{found} at epoch {progress.epoch + 1}{step}{also}"
+
+
+def embedded_data(
+    cfg: TrainConfig, env: DistEnv, dry: bool, say: Callable[[str], object]
+) -> TrainConfig | None:
+    """A run without --data trains on the embedded digits set: its presets told, the
+    set written once; a dry run writes nothing, so it describes the set unwritten and
+    None is returned (nothing more to do)."""
+    from dataclasses import replace
+
+    from paratrain.config import preset_notes
+    from paratrain.data.builtin import digits_dir, digits_ready, ensure_digits
+    from paratrain.engine.preflight import (
+        already_checked,
+        check_devices,
+        check_settings,
+        job_world,
+    )
+
+    if env.is_main and not already_checked():
+        say("; ".join(preset_notes(cfg)))
+    if dry and not digits_ready(cfg.cache_dir):
+        if cfg.has_auto():
+            say(
+                "the embedded digits set is not written yet; auto settings are chosen on "
+                "it by the first run (a dry run writes nothing)"
+            )
+            return None
+        world = job_world(cfg, env)
+        check_settings(cfg, world)
+        check_devices(cfg, world)
+        say(dry_run(cfg, env, unwritten=digits_dir(cfg.cache_dir)))
+        return None
+    return replace(cfg, data=str(ensure_digits(cfg.cache_dir)))

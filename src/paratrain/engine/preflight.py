@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable
 
 from paratrain.config import TrainConfig
 from paratrain.distributed.env import DistEnv, detect
@@ -44,11 +43,16 @@ def preflight(cfg: TrainConfig, world: int) -> None:
     check_model_input(cfg, world)
 
 
-def check_settings(cfg: TrainConfig, world: int | None) -> None:
+def check_settings(cfg: TrainConfig, world: int | None, model: bool = False) -> None:
     """The rules of the chosen strategy (parallel/<name>.py), for ``world`` processes
-    where known."""
+    where known; with ``model``, the model against its image size too (what a job
+    script checks before it is queued)."""
     if cfg.strategy != "auto":
         strategy_of(cfg.strategy).check_settings(cfg, world)
+    if model:
+        from paratrain.models.registry import check_input_size
+
+        check_input_size(cfg.model, cfg.image_size)
 
 
 # settings that need a package besides paratrain's own: (module, pip extra, when)
@@ -126,32 +130,3 @@ def job_world(cfg: TrainConfig, env: DistEnv | None = None) -> int:
     if env.source == "single" and cfg.nproc != "auto":
         return max(cfg.nproc, 1)
     return env.world_size
-
-
-def embedded_data(
-    cfg: TrainConfig, env: DistEnv, dry_run: bool, say: Callable[[str], object]
-) -> TrainConfig | None:
-    """A run without --data trains on the embedded digits set: its presets told, the
-    set written once; a dry run writes nothing, so it describes the set unwritten and
-    None is returned (nothing more to do)."""
-    from dataclasses import replace
-
-    from paratrain.config import preset_notes
-    from paratrain.data.builtin import digits_dir, digits_ready, ensure_digits
-    from paratrain.engine.describe import dry_run as describe
-
-    if env.is_main and not already_checked():
-        say("; ".join(preset_notes(cfg)))
-    if dry_run and not digits_ready(cfg.cache_dir):
-        if cfg.has_auto():
-            say(
-                "the embedded digits set is not written yet; auto settings are chosen on "
-                "it by the first run (a dry run writes nothing)"
-            )
-            return None
-        world = job_world(cfg, env)
-        check_settings(cfg, world)
-        check_devices(cfg, world)
-        say(describe(cfg, env, unwritten=digits_dir(cfg.cache_dir)))
-        return None
-    return replace(cfg, data=str(ensure_digits(cfg.cache_dir)))
