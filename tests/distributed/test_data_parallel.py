@@ -62,18 +62,17 @@ def test_every_rank_starts_from_identical_weights(tmp_path, with_weights):
 
 
 def _record_training_order(rank, world, data_dir, out_dir):
-    from paratrain.data import folder
+    from paratrain.data.transforms import DecodedSamples
     from paratrain.engine.trainer import fit
 
     seen: list[int] = []
-    original = folder.ImageSamples.__getitem__
+    original = DecodedSamples.load
 
-    def recording(self, key):
-        if isinstance(key, tuple):  # training items are (index, augmentation seed)
-            seen.append(key[0])
-        return original(self, key)
+    def recording(self, index):
+        seen.append(index)  # training images only: validation is not DecodedSamples
+        return original(self, index)
 
-    folder.ImageSamples.__getitem__ = recording
+    DecodedSamples.load = recording
     cfg = TrainConfig(
         data=data_dir,
         model="resnet18",
@@ -83,7 +82,7 @@ def _record_training_order(rank, world, data_dir, out_dir):
         workers=0,
         output_dir=out_dir,
         name="order",
-        cache="off",  # the decode path calls __getitem__ once per sample, which is recorded
+        cache="off",  # the decode path loads each training sample once, which is recorded
     )
     fit(cfg, _runtime())
     half = len(seen) // 2
