@@ -131,7 +131,7 @@ def add_settings(
     for s in settings(cls):
         if names is not None and s.name not in names:
             continue
-        target = parser
+        target: argparse.ArgumentParser | argparse._ArgumentGroup = parser
         if s.rule.group:
             if s.rule.group not in groups:
                 groups[s.rule.group] = parser.add_argument_group(s.rule.group)

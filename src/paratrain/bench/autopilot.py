@@ -27,6 +27,7 @@ import platform
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -38,6 +39,7 @@ from paratrain.distributed.runtime import runs_on_cuda, usable_cores
 from paratrain.engine.step import Stepper, train_step
 from paratrain.errors import UserError
 
+V = TypeVar("V", int, float, str)
 DEFAULT_BATCH = 16  # the batch --lr is given for when --batch-size is auto
 MARGIN = 0.8  # of the memory the batch may use
 SAFETY = 2.0  # the steepest rate of the range test over this
@@ -46,9 +48,9 @@ RANGE = (1e-6, 10.0)
 
 
 @dataclass
-class Choice:
+class Choice(Generic[V]):
     setting: str
-    value: object
+    value: V
     why: str
 
     def line(self) -> str:
@@ -100,7 +102,7 @@ def measure_layouts(cfg: TrainConfig, cores: int) -> dict[int, float]:
 
 def choose_nproc(
     cfg: TrainConfig, measure: Callable[[TrainConfig, int], dict] = measure_layouts
-) -> Choice:
+) -> Choice[int]:
     """One process per GPU; on a CPU alone the layout measured faster (kept for next time)."""
     if runs_on_cuda(cfg.device):
         n = torch.cuda.device_count()
@@ -154,7 +156,7 @@ def _available_memory() -> int:
 
 def choose_strategy(
     cfg: TrainConfig, nproc: int, memory: int, where: str, rows: list | None = None
-) -> Choice:
+) -> Choice[str]:
     """The fastest strategy that fits ``memory`` by `paratrain plan`'s estimate."""
     from paratrain.bench import memory as plan
 
@@ -244,7 +246,9 @@ def _fits(try_batch: Callable[[int], None], batch: int) -> bool:
             torch.cuda.empty_cache()
 
 
-def choose_batch(cfg: TrainConfig, strategy: str, nproc: int, memory: int, where: str) -> Choice:
+def choose_batch(
+    cfg: TrainConfig, strategy: str, nproc: int, memory: int, where: str
+) -> Choice[int]:
     """The largest per-device batch that fits the memory, with a margin; a multiple of 8."""
     if runs_on_cuda(cfg.device):
         found = largest_batch_that_trains(lambda b: _cuda_step(cfg, b))
@@ -269,7 +273,7 @@ def _data_cap(cfg: TrainConfig) -> int:
     from paratrain.data.folder import build_split
     from paratrain.parallel import get as strategy_of
 
-    images = len(build_split(cfg.data, cfg.val_fraction, cfg.split_seed).train)
+    images = len(build_split(cfg.dataset, cfg.val_fraction, cfg.split_seed).train)
     replicas = strategy_of(cfg.strategy).layout(cfg, cfg.processes).dp_size
     return round_batch(images / (max(replicas, 1) * MIN_STEPS * cfg.grad_accum))
 
@@ -300,7 +304,7 @@ def _one_process_stepper(cfg: TrainConfig, device: torch.device, classes: int) -
     runtime = Runtime(env=DistEnv(), device=device, backend=None)
     model = build_model(cfg, classes)
     fmt = memory_format_for(model, cfg.memory_format, device)
-    parts = ModelParts([model.to(device, memory_format=fmt)], memory_format=fmt)
+    parts = ModelParts([model.to(device).to(memory_format=fmt)], memory_format=fmt)
     precision = precision_module.build(cfg, runtime)
     recipe = build_recipe(cfg, parts, classes, precision)
     precision.prepare(parts)
@@ -347,7 +351,7 @@ def pick_lr(
     return steepest / safety, steepest
 
 
-def range_test(cfg: TrainConfig, steps: int, plot: Path | None, say) -> Choice:
+def range_test(cfg: TrainConfig, steps: int, plot: Path | None, say) -> Choice[float]:
     """The sweep on this process: the run's model, optimizer, recipe and images, one
     step (engine/step.py) at a time, the rate from RANGE[0] to RANGE[1] exponentially over
     ``steps`` steps (seeded: repeatable)."""
@@ -357,7 +361,7 @@ def range_test(cfg: TrainConfig, steps: int, plot: Path | None, say) -> Choice:
     from paratrain.data.samplers import TrainBatches, train_sampler
     from paratrain.data.transforms import Augment, DecodedSamples, TrainAugment, batched
 
-    split = build_split(cfg.data, cfg.val_fraction, cfg.split_seed)
+    split = build_split(cfg.dataset, cfg.val_fraction, cfg.split_seed)
     sweep = replace(cfg, lr=1.0, lr_scaling="none", nproc=1, ema_decay=None)
     torch.manual_seed(cfg.seed)
     stepper = _one_process_stepper(sweep, torch.device("cpu"), len(split.classes))
@@ -449,40 +453,41 @@ def resolve(
     cfg: TrainConfig, say=print, plot_dir: Path | None = None, range_steps: int | None = None
 ) -> tuple[TrainConfig, list[Choice]]:
     """Every auto setting made a value, in order (each needs the ones before)."""
-    choices: list[Choice] = []
+    choices: list[Choice[Any]] = []
     if cfg.nproc == "auto":
-        choices.append(choose_nproc(cfg))
-        cfg = replace(cfg, nproc=choices[-1].value)
-    memory, where = device_memory(cfg, cfg.nproc)
+        processes = choose_nproc(cfg)
+        choices.append(processes)
+        cfg = replace(cfg, nproc=processes.value)
+    memory, where = device_memory(cfg, cfg.processes)
     if cfg.strategy == "auto":
-        choices.append(choose_strategy(cfg, cfg.nproc, memory, where))
-        cfg = replace(cfg, strategy=choices[-1].value)
+        strategy = choose_strategy(cfg, cfg.processes, memory, where)
+        choices.append(strategy)
+        cfg = replace(cfg, strategy=strategy.value)
     if cfg.batch_size == "auto":
-        choices.append(choose_batch(cfg, cfg.strategy, cfg.nproc, memory, where))
-        batch = choices[-1].value
+        batch = choose_batch(cfg, cfg.strategy, cfg.processes, memory, where)
         cap = _data_cap(cfg)
-        if batch > cap:
-            choices[-1] = Choice(
+        if batch.value > cap:
+            batch = Choice(
                 "--batch-size",
                 cap,
-                f"{choices[-1].why}; {batch} would leave "
+                f"{batch.why}; {batch.value} would leave "
                 f"fewer than {MIN_STEPS} steps an epoch of these images, so {cap}",
             )
-            batch = cap
+        choices.append(batch)
         if cfg.lr != "auto":  # --lr was for the default batch: linear in the batch
-            scaled = cfg.lr * batch / DEFAULT_BATCH
-            choices.append(
-                Choice(
-                    "--lr",
-                    float(f"{scaled:.4g}"),
-                    f"--lr {cfg.lr:g} scaled to batch {batch} from {DEFAULT_BATCH}",
-                )
+            scaled = cfg.lr * batch.value / DEFAULT_BATCH
+            rate = Choice(
+                "--lr",
+                float(f"{scaled:.4g}"),
+                f"--lr {cfg.lr:g} scaled to batch {batch.value} from {DEFAULT_BATCH}",
             )
-            cfg = replace(cfg, lr=choices[-1].value)
-        cfg = replace(cfg, batch_size=batch)
+            choices.append(rate)
+            cfg = replace(cfg, lr=rate.value)
+        cfg = replace(cfg, batch_size=batch.value)
     if cfg.lr == "auto":
         steps = range_steps or 200
         plot = plot_dir / "lr_range.png" if plot_dir is not None else None
-        choices.append(range_test(cfg, steps, plot, say))
-        cfg = replace(cfg, lr=choices[-1].value)
+        found = range_test(cfg, steps, plot, say)
+        choices.append(found)
+        cfg = replace(cfg, lr=found.value)
     return cfg.validate(), choices

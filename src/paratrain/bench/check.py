@@ -112,16 +112,19 @@ def _sync_bn(runtime: Runtime) -> Row:
     torch.manual_seed(0)
     per_rank = 3
     x = torch.randn(per_rank * runtime.world_size, 3, 8, 8) * 2 + 0.5
-    model = nn.Sequential(nn.Conv2d(3, 6, 3), nn.BatchNorm2d(6), nn.ReLU())
+    conv = nn.Conv2d(3, 6, 3)
+    model = nn.Sequential(conv, nn.BatchNorm2d(6), nn.ReLU())
     reference = model(x)
     reference.square().sum().backward()
-    ref_grad = model[0].weight.grad.clone()
+    assert conv.weight.grad is not None
+    ref_grad = conv.weight.grad.clone()
     model.zero_grad()
     synced = SyncBatchNorm.convert(model).to(runtime.device)
     local = x[runtime.rank * per_rank : (runtime.rank + 1) * per_rank].to(runtime.device)
     out = synced(local)
     out.square().sum().backward()
-    grad = comm.all_reduce_sum(synced[0].weight.grad.detach().cpu())
+    assert conv.weight.grad is not None  # the same conv: conversion replaces BatchNorm only
+    grad = comm.all_reduce_sum(conv.weight.grad.detach().cpu())
     out_err = (
         (out.detach().cpu() - reference[runtime.rank * per_rank : (runtime.rank + 1) * per_rank])
         .abs()

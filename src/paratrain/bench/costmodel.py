@@ -244,9 +244,11 @@ def predict(
     buckets = ddp_buckets(profile.gradients, bucket_cap_mb * MIB)
     out = []
     for n in ns:
-        total, exposed = overlapped_communication(
-            buckets, profile.backward_s, lambda nbytes, n=n: network.all_reduce_s(n, nbytes)
-        )
+
+        def all_reduce_s(nbytes: float, n: int = n) -> float:
+            return network.all_reduce_s(n, nbytes)
+
+        total, exposed = overlapped_communication(buckets, profile.backward_s, all_reduce_s)
         step = profile.compute_s + exposed
         speedup = n * profile.compute_s / step
         steps_per_epoch = math.ceil(epoch_images / (batch_size * n))

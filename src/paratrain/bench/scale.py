@@ -57,7 +57,7 @@ def settings_from(opts: ScaleOptions) -> ScaleSettings:
 
         nproc_max = torch.cuda.device_count() or usable_cores()
     link = costmodel.PRESETS[opts.link] if opts.link else None
-    if opts.bandwidth is not None:
+    if opts.bandwidth is not None and opts.latency is not None:  # given together (checked)
         link = costmodel.Link("given", opts.bandwidth, opts.latency)
     return ScaleSettings(
         nproc_max=nproc_max,
@@ -147,7 +147,9 @@ def measure(
         for threads in sorted({same, cores}):
             torch.set_num_threads(threads)
             say(f"measuring 1 process x {threads} thread(s) ...")
-            result = asdict(run_bench(cfg, runtime, opts.steps, opts.warmup))
+            timed = run_bench(cfg, runtime, opts.steps, opts.warmup)
+            assert timed is not None  # one process: it is rank 0
+            result = asdict(timed)
             if threads == same:
                 backward = result["backward_ms"] / 1000
                 profile = costmodel.StepProfile(
@@ -231,10 +233,10 @@ def report(
                     profile.scaled(r.compute_ms / alone),
                     [r.n],
                     here,
-                    cfg.batch_size,
+                    cfg.batch,
                     cfg.bucket_cap_mb,
                 )[0]
-                pure = costmodel.predict(profile, [r.n], here, cfg.batch_size, cfg.bucket_cap_mb)[0]
+                pure = costmodel.predict(profile, [r.n], here, cfg.batch, cfg.bucket_cap_mb)[0]
                 comparison.append(
                     {
                         "n": r.n,
@@ -338,7 +340,7 @@ def read_epoch_times(path: Path) -> list[tuple[int, float]]:
         raise UserError(f"--calibrate {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError:
         raise UserError(f"--calibrate {path}: not a text file of 'n,seconds' lines") from None
-    points = []
+    points: list[tuple[int, float]] = []
     for number, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()
         if not line:

@@ -18,7 +18,7 @@ import typing
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -85,11 +85,14 @@ def _provided(path: str) -> Mapping[str, str] | Sequence[str]:
     return found
 
 
+OptionsT = TypeVar("OptionsT", bound="Options")
+
+
 class Options:
     """What every options dataclass shares: ``validate()`` checks each setting against
     its rule, then the rules between settings (``combinations``)."""
 
-    def validate(self) -> Options:
+    def validate(self: OptionsT) -> OptionsT:
         check(self)
         self.combinations()
         return self
@@ -148,7 +151,10 @@ def settings(cls: type) -> Iterator[Setting]:
         if rule is None:
             continue
         kind, optional = _kind(hints[f.name])
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        else:
+            default = f.default_factory()  # type: ignore[operator]  # set where default is not
         yield Setting(f.name, kind, optional, default, rule)
 
 

@@ -560,6 +560,13 @@ class TrainConfig(Options):
         return "auto" in (self.nproc, self.strategy, self.batch_size, self.lr)
 
     @property
+    def dataset(self) -> str:
+        """--data once decided (without it, the embedded digits set is written first)."""
+        if self.data is None:
+            raise RuntimeError("data is still the embedded set: api.train writes it first")
+        return self.data
+
+    @property
     def batch(self) -> int:
         """--batch-size once decided (auto is resolved before any run, bench/autopilot)."""
         return concrete(self.batch_size, "batch_size")

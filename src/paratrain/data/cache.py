@@ -305,6 +305,7 @@ def _plan_node(samples, short: int, mode, max_gb, base: Path, key: str) -> tuple
             f"{free / 2**30:.2f} GB free"
         )
         return refused, "", f"--cache on: {where}" if mode == "on" else f"{where}"
+    assert plan.shapes is not None  # a plan to build has every image's shape
     tmp = base / f".{key}.tmp-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()

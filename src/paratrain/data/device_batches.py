@@ -70,16 +70,17 @@ class DeviceAugmented(ImageSamples):
     """Training samples read as stored, for a DeviceBatch: from the decoded cache (its
     uint8 pixels), or from their files (a JPEG's bytes; other formats decoded here)."""
 
-    def __init__(self, samples: Sequence[Sample], transform, cache=None):
+    def __init__(self, samples: Sequence[Sample], transform: TrainAugment, cache=None):
         super().__init__(samples, transform)
+        self.augment = transform
         self.cache = cache
-        self.slots = [cache.slots[path] for path, _ in samples] if cache is not None else None
+        self.slots = [cache.slots[path] for path, _ in samples] if cache is not None else []
 
     def _stored(self, index: int) -> tuple[torch.Tensor, bool, tuple[int, int]]:
         """(image as stored, whether it is JPEG bytes, (height, width) once upright)."""
         if self.cache is not None:
             pixels = self.cache.image(self.slots[index])
-            return pixels, False, tuple(pixels.shape[-2:])
+            return pixels, False, (pixels.shape[-2], pixels.shape[-1])
         path = self.samples[index][0]
         with open(path, "rb") as handle:
             raw = handle.read()
@@ -92,11 +93,14 @@ class DeviceAugmented(ImageSamples):
 
     def __getitems__(self, keys: list) -> tuple[DeviceBatch, torch.Tensor]:
         labels = torch.tensor([self.samples[index][1] for index, _ in keys])
-        images, encoded, boxes, flips = [], [], [], []
+        images: list[torch.Tensor] = []
+        encoded: list[bool] = []
+        boxes: list[tuple[int, int, int, int]] = []
+        flips: list[bool] = []
         for index, seed in keys:
             image, is_jpeg, (height, width) = self._stored(index)
             with seeded(seed):
-                box, flip = self.transform.draw(height, width)
+                box, flip = self.augment.draw(height, width)
             images.append(image)
             encoded.append(is_jpeg)
             boxes.append(box)
@@ -107,7 +111,7 @@ class DeviceAugmented(ImageSamples):
             torch.tensor(boxes, dtype=torch.int64),
             torch.tensor(flips, dtype=torch.bool),
             [seed for _, seed in keys],
-            self.transform,
+            self.augment,
         )
         return batch, labels
 

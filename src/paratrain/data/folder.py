@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -110,7 +111,8 @@ def build_split(data_dir: str | Path, val_fraction: float = 0.2, seed: int = 0) 
         )
     by_class = scan_classes(root, ignored)
     classes = sorted(by_class)
-    train, val = [], []
+    training: list[Sample] = []
+    validation: list[Sample] = []
     for index, name in enumerate(classes):
         paths = by_class[name]
         if len(paths) < 2:
@@ -119,10 +121,15 @@ def build_split(data_dir: str | Path, val_fraction: float = 0.2, seed: int = 0) 
                 f"to split it into train and val"
             )
         train_paths, val_paths = split_class(paths, val_fraction, seed + index)
-        train += [(p, index) for p in train_paths]
-        val += [(p, index) for p in val_paths]
+        training += [(p, index) for p in train_paths]
+        validation += [(p, index) for p in val_paths]
     return DataSplit(
-        classes=classes, train=train, val=val, layout="split", root=str(root), ignored=len(ignored)
+        classes=classes,
+        train=training,
+        val=validation,
+        layout="split",
+        root=str(root),
+        ignored=len(ignored),
     )
 
 
@@ -266,11 +273,12 @@ class ImageSamples(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def load(self, index: int) -> Image.Image:
-        """The sample's image, decoded (at reduced scale where ``at_least`` allows)."""
+    def load(self, index: int) -> Image.Image | torch.Tensor:
+        """The sample's image, decoded (at reduced scale where ``at_least`` allows); a
+        subclass may give its pixels as a uint8 tensor instead."""
         return load_rgb(self.samples[index][0], self.at_least)
 
-    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[Any, int]:
         """``key`` is an index, or (index, seed) from the training sampler: then the random
         transform is seeded per sample, so augmentation is reproducible anywhere."""
         index, seed = key if isinstance(key, tuple) else (key, None)

@@ -110,16 +110,10 @@ def make_loaders(
     """Training batches of this replica's shard (reshuffled every epoch, resumable) and
     validation batches of its exact shard; ``fixed_batch``: drop a short last batch."""
     workers = loader_workers(cfg, runtime, cached=cache is not None)
-    common = dict(
-        num_workers=workers,
-        pin_memory=runtime.device.type == "cuda",
-        persistent_workers=workers > 0,
-    )
     on_device = cfg.augment_on == "device" or (
         cfg.augment_on == "auto" and runtime.device.type == "cuda"
     )
     augment = TrainAugment(Augment.of(cfg))
-    common["collate_fn"] = batched
     train_set: ImageSamples
     if on_device and (cache is not None or _decode_on_device(cfg, split, runtime, workers)):
         train_set = DeviceAugmented(split.train, augment, cache)
@@ -134,7 +128,14 @@ def make_loaders(
             "an epoch, and BatchNorm needs 2 a step: use fewer processes or more images"
         )
     batches = TrainBatches(sampler, cfg.batch, drop_last=fixed_batch)
-    train = DataLoader(train_set, batch_sampler=batches, **common)
+    train = DataLoader(
+        train_set,
+        batch_sampler=batches,
+        num_workers=workers,
+        pin_memory=runtime.device.type == "cuda",
+        persistent_workers=workers > 0,
+        collate_fn=batched,
+    )
     val = validation_loader(
         split.val, cfg, cfg.batch, workers, replica, replicas, cache, runtime.device.type == "cuda"
     )

@@ -90,7 +90,8 @@ def screen(
     bad_paths = {path for path, _ in bad}
     if run_dir is not None and rank == 0:
         (run_dir / "bad_images.txt").write_text("".join(f"{p}\t{w}\n" for p, w in bad))
-    log.info(f"skipping {len(bad)} unreadable image(s); listed in {run_dir / 'bad_images.txt'}")
+    listed = f"; listed in {run_dir / 'bad_images.txt'}" if run_dir is not None else ""
+    log.info(f"skipping {len(bad)} unreadable image(s){listed}")
     kept = replace(
         split, train=_leave_out(split.train, bad_paths), val=_leave_out(split.val, bad_paths)
     )

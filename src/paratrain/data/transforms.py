@@ -8,8 +8,9 @@ evaluation has torchvision's Resize + CenterCrop, which the cache stores the res
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -193,7 +194,7 @@ def to_chw(image: Image.Image) -> torch.Tensor:
     return torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1)
 
 
-def batched(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def batched(batch: Any) -> Any:
     """collate_fn for AugmentedSamples: its __getitems__ returns the batch ready."""
     return batch
 
@@ -202,6 +203,10 @@ class AugmentedSamples(ImageSamples):
     """Samples whose ``load`` gives uint8 CHW tensors: a whole batch at once (the
     DataLoader asks for it so), each augmented straight into its slot of the batch with
     :class:`TrainAugment` (a copy of every image saved); another transform per item."""
+
+    def load(self, index: int) -> torch.Tensor:
+        """The sample's pixels, uint8 CHW."""
+        raise NotImplementedError
 
     def __getitems__(self, keys: list) -> tuple[torch.Tensor, torch.Tensor]:
         labels = torch.tensor([self.samples[k[0] if isinstance(k, tuple) else k][1] for k in keys])
@@ -241,7 +246,7 @@ def eval_transform(
 
 
 def eval_samples(
-    samples: list[Sample], size: int, resize: int | None = None, interpolation: str = "bilinear"
+    samples: Sequence[Sample], size: int, resize: int | None = None, interpolation: str = "bilinear"
 ) -> ImageSamples:
     """Validation images, each decoded as the cache decodes it (a JPEG at reduced scale
     where it stays at least the Resize's size; see ``open_image``) and eval-transformed."""

@@ -73,7 +73,9 @@ def agree(decide: Callable[[], T]) -> T:
             outcome = ("value", decide())
         except UserError as exc:
             outcome = ("error", (str(exc), exc.exit_code))
-    kind, payload = broadcast_object(outcome)
+    agreed = broadcast_object(outcome)
+    assert agreed is not None  # rank 0 always decides
+    kind, payload = agreed
     if kind == "error":
         error = AgreedUserError(payload[0])
         error.exit_code = payload[1]

@@ -13,7 +13,7 @@ import os
 import socket
 import sys
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from paratrain.distributed.env import DistEnv, detect
 from paratrain.distributed.runtime import threads_per_process
@@ -47,7 +47,7 @@ def is_peer_loss(exc: BaseException) -> bool:
     )
 
 
-def root_cause(failures: dict) -> tuple[int, object]:
+def root_cause(failures: dict) -> tuple[int, Any]:
     """The failure that caused the others: not a lost peer, not killed by the agent."""
 
     def secondary(failure) -> bool:

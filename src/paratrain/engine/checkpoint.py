@@ -109,7 +109,7 @@ def migrate(raw: dict[str, Any], source: str = "checkpoint") -> dict[str, Any]:
         )
     values = dict(raw)
     if version == 1:  # where training stood was flat; the replica count was "world_size"
-        progress = {
+        progress: dict[str, Any] = {
             key: values.pop(key)
             for key in ("epoch", "step_in_epoch", "consumed", "global_step", "skipped_steps")
             if key in values

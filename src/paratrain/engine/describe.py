@@ -97,7 +97,7 @@ def dry_run(
         cache = "decided once the digits set is written"
         resume = ""
     else:
-        split = build_split(cfg.data, cfg.val_fraction, cfg.split_seed)
+        split = build_split(cfg.dataset, cfg.val_fraction, cfg.split_seed)
         data = data_words(cfg, split)
         plan = survey(
             split.train + split.val,

@@ -23,6 +23,7 @@ from paratrain.distributed import comm
 from paratrain.distributed.env import DistEnv
 from paratrain.errors import UserError
 from paratrain.models.registry import logits_of
+from paratrain.parallel.parts import ModelParts
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,8 @@ class EvalResult:
     def per_class_accuracy(self) -> list[float | None]:
         """Each class's share of correct predictions, from the confusion matrix (None for
         a class with no validation image: there is nothing to be right or wrong about)."""
+        if self.confusion is None:
+            raise ValueError("no confusion matrix: nothing was evaluated")
         totals = self.confusion.sum(dim=1)
         shares = (self.confusion.diagonal() / totals.clamp(min=1)).tolist()
         return [
@@ -49,8 +52,8 @@ class EvalResult:
 
 
 def _full_batch_logits(
-    model: nn.Module, images: torch.Tensor, batch_size: int | None
-) -> torch.Tensor:
+    model: nn.Module | ModelParts, images: torch.Tensor, batch_size: int | None
+) -> torch.Tensor | None:
     """A short last batch is padded to the loader's batch size (repeating its last image)
     and the padding dropped: math libraries pick kernels by batch size, and a kernel
     chosen for 13 images may round a sample differently from the one chosen for 16, so
@@ -72,7 +75,7 @@ def _format_of(images: torch.Tensor) -> torch.memory_format:
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module,
+    model: nn.Module | ModelParts,
     loader: DataLoader,
     device: torch.device,
     num_classes: int,
@@ -102,9 +105,9 @@ def evaluate(
         correct1 += hits[:, 0].sum().cpu()
         if k:
             correct5 += hits.any(dim=1).sum().cpu()
+        pairs = (labels * num_classes + top[:, 0]).cpu()  # exact: counts, summed over ranks
+        confusion += torch.bincount(pairs, minlength=num_classes * num_classes)
         if detailed:
-            pairs = (labels * num_classes + top[:, 0]).cpu()
-            confusion += torch.bincount(pairs, minlength=num_classes * num_classes)
             predicted += top[:, 0].tolist()
     model.train(was_training)
 
@@ -115,20 +118,18 @@ def evaluate(
     n = int(counts[2])
     if n == 0:
         return EvalResult(loss=float("nan"), top1=float("nan"), top5=None, count=0)
-    details = {}
+    predictions = None
     if detailed:
         indices = list(getattr(loader.sampler, "indices", range(len(predicted))))
         mine = list(zip(indices, predicted, strict=True))
-        details = {
-            "confusion": comm.all_reduce_sum(confusion).view(num_classes, num_classes),
-            "predictions": sorted(p for part in comm.all_gather_object(mine) for p in part),
-        }
+        predictions = sorted(p for part in comm.all_gather_object(mine) for p in part)
     return EvalResult(
         loss=math.fsum(all_losses) / n,
         top1=int(counts[0]) / n,
         top5=int(counts[1]) / n if k else None,
         count=n,
-        **details,
+        confusion=comm.all_reduce_sum(confusion).view(num_classes, num_classes),
+        predictions=predictions,
     )
 
 
@@ -161,8 +162,9 @@ def prepare_evaluation(opts: EvalOptions) -> EvalJob:
     from paratrain.engine import checkpoint
     from paratrain.models.registry import check_weights_fit
 
-    state = checkpoint.load(opts.checkpoint, with_optimizer=False)
-    saved = state.train_config(opts.checkpoint)
+    path = str(opts.checkpoint)  # required: the options were checked
+    state = checkpoint.load(path, with_optimizer=False)
+    saved = state.train_config(path)
     data_dir = opts.data or saved.data
     if not data_dir:
         raise UserError("--data is needed: the checkpoint does not name its data")
@@ -176,9 +178,9 @@ def prepare_evaluation(opts: EvalOptions) -> EvalJob:
     if saved.bad_images == "skip":  # as the run did: its validation left them out
         kept, bad = without_unreadable(split.val)
         split, skipped = replace(split, val=kept), len(bad)
-    weights = state.weights(opts.checkpoint, opts.ema)
-    check_weights_fit(saved.model, len(split.classes), saved.train_size, weights, opts.checkpoint)
-    return EvalJob(weights, saved, split, eval_dir(opts.checkpoint, opts.ema), skipped)
+    weights = state.weights(path, opts.ema)
+    check_weights_fit(saved.model, len(split.classes), saved.train_size, weights, path)
+    return EvalJob(weights, saved, split, eval_dir(path, opts.ema), skipped)
 
 
 def eval_dir(state_path: str, ema: bool = False) -> Path:

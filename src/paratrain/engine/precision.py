@@ -57,12 +57,12 @@ class Precision:
             self.scaler.update()
         elif found_inf is None:
             optimizer.step()
-        else:
-            optimizer.found_inf = found_inf.float().reshape(())
+        else:  # read by the optimizer's step (engine/recipe.StorageOrderSGD), like a scaler's
+            setattr(optimizer, "found_inf", found_inf.float().reshape(()))  # noqa: B010
             try:
                 optimizer.step()
             finally:
-                del optimizer.found_inf
+                delattr(optimizer, "found_inf")
 
 
 def build(cfg: TrainConfig, runtime: Runtime) -> Precision:
@@ -76,18 +76,22 @@ def build(cfg: TrainConfig, runtime: Runtime) -> Precision:
         raise AgreedUserError(str(exc)) from None
 
 
-def _fp32_when_strided_over_one_pixel(module: torch.nn.Module, args: tuple):
+_PAUSED: dict[int, torch.autocast] = {}  # module id -> the autocast it paused
+
+
+def _fp32_when_strided_over_one_pixel(module: torch.nn.modules.conv._ConvNd, args: tuple):
     x = args[0]
     if not torch.is_autocast_enabled(x.device.type) or not cpu_bf16.strided_over_one_pixel(
         module, x
     ):
         return None
-    module._paratrain_autocast = torch.autocast(x.device.type, enabled=False)
-    module._paratrain_autocast.__enter__()
+    paused = torch.autocast(x.device.type, enabled=False)
+    paused.__enter__()
+    _PAUSED[id(module)] = paused
     return (x.float(), *args[1:])
 
 
 def _restore_autocast(module: torch.nn.Module, _args: tuple, _output) -> None:
-    context = module.__dict__.pop("_paratrain_autocast", None)
-    if context is not None:
-        context.__exit__(None, None, None)
+    paused = _PAUSED.pop(id(module), None)
+    if paused is not None:
+        paused.__exit__(None, None, None)

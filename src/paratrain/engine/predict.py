@@ -70,8 +70,8 @@ def predict(
     predicted. ``on_rows`` receives each batch's rows as soon as they are known."""
     if top_k < 1:
         raise UserError(f"--top-k must be at least 1, got {top_k}")
-    device = choose_device(DistEnv(), device)
-    model, cfg, classes = load_for_inference(checkpoint_path, device, ema)
+    where = choose_device(DistEnv(), device)
+    model, cfg, classes = load_for_inference(checkpoint_path, where, ema)
     transform = eval_transform(cfg.eval_crop, cfg.eval_resize, cfg.interpolation)
     shrink = cfg.eval_resize
     paths = collect_images(inputs)
@@ -85,14 +85,14 @@ def predict(
             for path in batch_paths:
                 image, problem = read_rgb(path, shrink)
                 if image is None:
-                    unreadable.append((path, problem))
+                    unreadable.append((path, problem or "unreadable"))
                     continue
                 chunk.append(path)
                 images.append(transform(image))
             bar.update(len(batch_paths))
             if not chunk:
                 continue
-            probabilities = logits_of(model(torch.stack(images).to(device))).float().softmax(1)
+            probabilities = logits_of(model(torch.stack(images).to(where))).float().softmax(1)
             values, indices = probabilities.topk(k, dim=1)
             batch_rows = [
                 {"path": path, "top": [(classes[i], v) for i, v in zip(idx, vals, strict=True)]}

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from paratrain.log import get_logger
 
@@ -66,7 +67,7 @@ class PreemptionGuard:
     def __init__(self, grace_s: float = 20.0):
         self.signum = 0
         self.grace_s = grace_s
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Any] = {}  # signal number -> the handler before
         self._watchdog: threading.Timer | None = None
 
     def reached_boundary(self) -> None:

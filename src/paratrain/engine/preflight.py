@@ -33,7 +33,7 @@ def preflight(cfg: TrainConfig, world: int) -> None:
     check_settings(cfg, world)
     cfg.check_paths()
     check_run_dir_free(cfg)
-    build_split(cfg.data, cfg.val_fraction, cfg.split_seed)
+    build_split(cfg.dataset, cfg.val_fraction, cfg.split_seed)
     if cfg.weights:
         from paratrain.models.registry import read_state_dict
 

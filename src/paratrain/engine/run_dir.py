@@ -84,10 +84,11 @@ def resolve_run(cfg: TrainConfig) -> tuple[Path, Path | None]:
     elif resume:
         resume_from = resume_target(resume)
     fresh = resume_from is None and resume is None
+    found = run_dir_of(resume_from) if resume_from is not None else None
     if cfg.name:
         name = cfg.name
-    elif resume_from is not None and run_dir_of(resume_from) is not None:
-        name = run_dir_of(resume_from).name
+    elif found is not None:
+        name = found.name
     else:  # a timestamp; a run started in the same second gets the next free name
         name = claim_new_name(output)
     run_dir = output / name

@@ -24,7 +24,7 @@ def effective_lr(lr: float, world_size: int, scaling: str) -> float:
 
 def peak_lr(cfg: TrainConfig, replicas: int) -> float:
     """The rate the schedule peaks at: --lr scaled for the global batch."""
-    return effective_lr(cfg.lr, replicas * cfg.grad_accum, cfg.lr_scaling)
+    return effective_lr(cfg.rate, replicas * cfg.grad_accum, cfg.lr_scaling)
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,9 @@ def describe_schedule(peak: float, cfg: TrainConfig) -> str:
         )
         warm = f", warm-up {length} from {peak * cfg.warmup_start:g}"
     scaled = (
-        f" ({cfg.lr:g} x {peak / cfg.lr:g}, {cfg.lr_scaling} scaling)" if peak != cfg.lr else ""
+        f" ({cfg.rate:g} x {peak / cfg.rate:g}, {cfg.lr_scaling} scaling)"
+        if peak != cfg.rate
+        else ""
     )
     then = {
         "cosine": f"cosine to {peak * cfg.lrf:g} by epoch {cfg.epochs}",

@@ -85,9 +85,9 @@ class SafeReader(FileSystemReader):
             raise UserError(f"{self.path} holds more than tensors; it was not loaded")
         from torch.distributed.checkpoint.metadata import StorageMeta
 
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage = getattr(metadata, "storage_meta", None) or StorageMeta()
+        storage.load_id = self.load_id
+        metadata.storage_meta = storage
         return metadata
 
 
@@ -175,7 +175,8 @@ def consolidate(directory: Path, with_optimizer: bool = True) -> dict[str, Any]:
     wanted = {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)
         for key, meta in metadata.state_dict_metadata.items()
-        if with_optimizer or key.startswith(optim_state.MODEL)
+        if isinstance(meta, TensorStorageMetadata)  # SafeReader admits no other kind
+        and (with_optimizer or key.startswith(optim_state.MODEL))
     }
     dcp.load(wanted, storage_reader=reader, no_dist=True)
     model, named = optim_state.unflatten(wanted, state["optimizer_groups"])

@@ -68,7 +68,8 @@ class Progress:
 def rng_state() -> dict[str, Any]:
     """This process's generators, as plain values and tensors."""
     version, mt, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    assert isinstance(keys, np.ndarray)  # the legacy form: (name, keys, pos, gauss, cached)
     return {
         "python": {"version": version, "state": list(mt), "gauss": gauss},
         "numpy": {

@@ -116,7 +116,7 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
-    split = build_split(cfg.data, cfg.val_fraction, cfg.split_seed)
+    split = build_split(cfg.dataset, cfg.val_fraction, cfg.split_seed)
     try:  # before any file is written or image decoded; the same answer on every rank
         check_model_input(cfg, runtime.world_size)
     except UserError as exc:

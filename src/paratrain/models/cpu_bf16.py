@@ -27,7 +27,7 @@ def affected(torch_version: str | None = None) -> bool:
     return (major, minor) < FIXED_IN
 
 
-def strided_over_one_pixel(module: nn.Module, x: torch.Tensor) -> bool:
+def strided_over_one_pixel(module: nn.modules.conv._ConvNd, x: torch.Tensor) -> bool:
     """Whether convolution ``module`` on ``x`` strides over a 1-pixel side."""
     return any(
         size == 1 and kernel > 1 and stride > 1
@@ -44,7 +44,7 @@ def convolutions_over_one_pixel(model: nn.Module, image_size: int) -> set[str]:
     for name, module in model.named_modules():
         if isinstance(module, nn.modules.conv._ConvNd):
 
-            def look(mod: nn.Module, args: tuple, name: str = name) -> None:
+            def look(mod: nn.modules.conv._ConvNd, args: tuple, name: str = name) -> None:
                 if strided_over_one_pixel(mod, args[0]):
                     found.add(name)
 

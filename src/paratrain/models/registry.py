@@ -74,9 +74,10 @@ def create_model(name: str, num_classes: int, image_size: int | None = None) -> 
     return torchvision.models.get_model(name, **kwargs)
 
 
-def logits_of(output: torch.Tensor | tuple) -> torch.Tensor:
+def logits_of(output: Any) -> torch.Tensor:
     """Models such as GoogLeNet return a named tuple in training mode."""
-    return output.logits if hasattr(output, "logits") else output
+    logits: torch.Tensor = output.logits if hasattr(output, "logits") else output
+    return logits
 
 
 def strip_prefixes(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -120,6 +121,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     path = Path(path).expanduser()
     if not path.is_file():
         raise UserError(f"weights file not found: {path}")
+    obj: Any
     try:
         if path.suffix == ".safetensors":  # e.g. from `paratrain export --format safetensors`
             from safetensors.torch import load_file
@@ -204,9 +206,9 @@ def freeze_backbone(model: nn.Module, name: str = "") -> tuple[str, int, int]:
         param.requires_grad_(False)
     for param in model.get_submodule(head).parameters():
         param.requires_grad_(True)
-    trained = {id(m) for m in model.get_submodule(head).modules()}
+    in_head = {id(m) for m in model.get_submodule(head).modules()}
     for module in model.modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and id(module) not in trained:
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and id(module) not in in_head:
             module.register_forward_pre_hook(_stay_in_eval)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return head, trained, sum(p.numel() for p in model.parameters())

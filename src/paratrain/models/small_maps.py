@@ -27,6 +27,14 @@ def _output_size(size: int, kernel: int, stride: int, padding: int) -> int:
     return (size + 2 * padding - kernel) // stride + 1
 
 
+def _padding(conv: nn.Conv2d) -> tuple[int, int]:
+    """A convolution's padding in pixels (``eligible`` leaves out "same" and "valid")."""
+    padding = conv.padding
+    if isinstance(padding, str):
+        raise ValueError(f"padding {padding!r} is not in pixels")
+    return padding[0], padding[1]
+
+
 def as_matrix_product(x: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
     """``conv(x)`` computed as unfold @ weight, in ``x``'s memory format.
 
@@ -36,15 +44,16 @@ def as_matrix_product(x: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
     back at every backward — for ResNet's 512x512 convolutions that cost more than the
     product itself (measured: 30 of a 60 ms step at 64 px)."""
     n, _, height, width = x.shape
-    rows = _output_size(height, conv.kernel_size[0], conv.stride[0], conv.padding[0])
-    columns = _output_size(width, conv.kernel_size[1], conv.stride[1], conv.padding[1])
+    ph, pw = _padding(conv)
+    rows = _output_size(height, conv.kernel_size[0], conv.stride[0], ph)
+    columns = _output_size(width, conv.kernel_size[1], conv.stride[1], pw)
     weight = conv.weight
     if weight.is_contiguous():  # (C, kh, kw) order: torch's unfold
-        cols = F.unfold(x, conv.kernel_size, padding=conv.padding, stride=conv.stride)
+        cols = F.unfold(x, conv.kernel_size, padding=(ph, pw), stride=conv.stride)
         cols = cols.transpose(1, 2).reshape(-1, cols.shape[1])
         matrix = weight.reshape(conv.out_channels, -1)
     else:  # channels_last weight: (kh, kw, C) order, patches cut from the NHWC input
-        (ph, pw), (kh, kw), (sh, sw) = conv.padding, conv.kernel_size, conv.stride
+        (kh, kw), (sh, sw) = conv.kernel_size, conv.stride
         nhwc = F.pad(x.permute(0, 2, 3, 1), (0, 0, pw, pw, ph, ph))
         patches = nhwc.unfold(1, kh, sh).unfold(2, kw, sw)  # n, rows, columns, C, kh, kw
         cols = patches.permute(0, 1, 2, 4, 5, 3).reshape(n * rows * columns, -1)
@@ -72,8 +81,9 @@ def takes_product(pixels: int, out_channels: int, x: torch.Tensor) -> bool:
 
 def _forward(self: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     if x.dim() == 4:
-        rows = _output_size(x.shape[2], self.kernel_size[0], self.stride[0], self.padding[0])
-        columns = _output_size(x.shape[3], self.kernel_size[1], self.stride[1], self.padding[1])
+        ph, pw = _padding(self)
+        rows = _output_size(x.shape[2], self.kernel_size[0], self.stride[0], ph)
+        columns = _output_size(x.shape[3], self.kernel_size[1], self.stride[1], pw)
         if takes_product(rows * columns, self.out_channels, x):
             return as_matrix_product(x, self)
     return self._conv_forward(x, self.weight, self.bias)

@@ -48,15 +48,11 @@ class DDP(Strategy):
         the same way): torch 2.14.1 fails an internal assert (``expect_autograd_hooks_``,
         reducer.cpp) on the first backward, measured here."""
         fmt = memory_format_for(model, cfg.memory_format, runtime.device)
-        model = model.to(runtime.device, memory_format=fmt)
-        placed = dict(
-            devices=[runtime.device],
-            layout=self.layout(cfg, runtime.world_size, runtime.rank),
-            memory_format=fmt,
-        )
-        if runtime.world_size == 1:
-            return ModelParts([model], **placed)
-        return ModelParts([data_parallel(model, cfg, runtime)], **placed)
+        model = model.to(runtime.device).to(memory_format=fmt)
+        if runtime.world_size > 1:
+            model = data_parallel(model, cfg, runtime)
+        layout = self.layout(cfg, runtime.world_size, runtime.rank)
+        return ModelParts([model], devices=[runtime.device], layout=layout, memory_format=fmt)
 
 
 def data_parallel(

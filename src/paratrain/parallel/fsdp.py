@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -87,7 +88,7 @@ class FSDPParts(ModelParts):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         self._resharded()
-        return get_model_state_dict(self[0], options=self._options())
+        return cast(dict[str, torch.Tensor], get_model_state_dict(self[0], options=self._options()))
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """A full state dict into the sharded model: each rank keeps its shards."""
@@ -96,7 +97,9 @@ class FSDPParts(ModelParts):
             set_model_state_dict,
         )
 
-        set_model_state_dict(self[0], state, options=StateDictOptions(full_state_dict=True))
+        set_model_state_dict(
+            self[0], cast(dict[str, Any], state), options=StateDictOptions(full_state_dict=True)
+        )
 
     def sharded_state(
         self, optimizer: torch.optim.Optimizer
@@ -109,8 +112,9 @@ class FSDPParts(ModelParts):
         )
 
         self._resharded()
-        named = get_optimizer_state_dict(self[0], optimizer)
-        return optim_state.flatten(get_model_state_dict(self[0]), named), named["param_groups"]
+        named = cast(dict[str, Any], get_optimizer_state_dict(self[0], optimizer))
+        model = cast(dict[str, Any], get_model_state_dict(self[0]))
+        return optim_state.flatten(model, named), named["param_groups"]
 
     def _resharded(self) -> None:
         """The root module stays unsharded after a forward without backward (evaluation);
@@ -176,7 +180,7 @@ class FSDP(Strategy):
     def layout(self, cfg: TrainConfig, world: int, rank: int = 0, per_node: int = 0) -> Layout:
         return Layout(world, rank, shard=world)
 
-    def memory(self, profile: MemoryProfile) -> DeviceMemory:
+    def memory(self, profile: MemoryProfile) -> DeviceMemory | None:
         """1/N of every tensor, plus the two largest blocks gathered whole (one
         computing, one prefetched)."""
         devices = profile.devices

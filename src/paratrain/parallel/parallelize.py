@@ -17,6 +17,8 @@ The steps run in one fixed order, each depending on the one before (torchtitan's
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -54,7 +56,7 @@ def parallelize(model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> ModelPa
         # compiled around DDP (not inside it): dynamo's DDPOptimizer then splits the
         # graph at DDP's bucket boundaries, so gradient all-reduce still overlaps backward
         _quiet_expected_compile_notices()
-        parts = parts.with_modules(torch.compile(part) for part in parts)
+        parts = parts.with_modules(cast(nn.Module, torch.compile(part)) for part in parts)
     return parts
 
 

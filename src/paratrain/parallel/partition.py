@@ -70,7 +70,7 @@ def trace(model: nn.Module, model_name: str = "model") -> Traced:
         _not_in_place(graph, unit.nodes[0])
     own = dict(graph.named_parameters())
     for unit in units:
-        targets = {n.target for n in unit.nodes if n.op in ("call_module", "get_attr")}
+        targets = {str(n.target) for n in unit.nodes if n.op in ("call_module", "get_attr")}
         params = [p for name, p in own.items() if any(_within(name, t) for t in targets)]
         unit.parameters = sum(p.numel() for p in params)
         unit.parameter_bytes = sum(p.numel() * p.element_size() for p in params)
@@ -82,9 +82,9 @@ def _not_in_place(graph: fx.GraphModule, node: fx.Node) -> None:
     before); autograd refuses an in-place operation on it, such as ResNet's ReLU after
     the stem. Same values, one more buffer."""
     if node.op == "call_module":
-        module = graph.get_submodule(node.target)
+        module = graph.get_submodule(str(node.target))
         if getattr(module, "inplace", False):
-            module.inplace = False
+            setattr(module, "inplace", False)  # noqa: B010 (a module attribute, not a tensor)
     elif node.kwargs.get("inplace"):
         node.kwargs = {**node.kwargs, "inplace": False}
         graph.recompile()
@@ -120,7 +120,7 @@ def _units(graph: fx.GraphModule) -> list[Unit]:
 
 
 def _common_path(group: list[fx.Node]) -> str | None:
-    targets = [n.target.split(".") for n in group if n.op in ("call_module", "get_attr")]
+    targets = [str(n.target).split(".") for n in group if n.op in ("call_module", "get_attr")]
     if not targets:
         return None
     common = os.path.commonprefix(targets)
@@ -185,7 +185,7 @@ def balance(
                     best[k][i], cut[k][i] = value, j
     if best[stages][n] == inf:
         raise UserError(
-            f"no cut into {stages} stages fits {limit / 2**30:.2f} GiB per device (the "
+            f"no cut into {stages} stages fits {room / 2**30:.2f} GiB per device (the "
             f"model needs {used[-1] / 2**30:.2f} GiB in all); use more stages, a smaller "
             "--batch-size, or --strategy fsdp"
         )
@@ -279,12 +279,12 @@ def profile(traced: Traced, sample: torch.Tensor, repeats: int = 3) -> None:
         grad = torch.ones_like(outputs[-1]) / outputs[-1].numel()
         for index in range(len(stages) - 1, -1, -1):
             start = time.perf_counter()
-            wanted = [inputs[index]] if inputs[index].requires_grad else []
-            params = [p for p in stages[index].parameters() if p.requires_grad]
-            grads = torch.autograd.grad(outputs[index], wanted + params, grad, allow_unused=True)
+            wanted: list[torch.Tensor] = [inputs[index]] if inputs[index].requires_grad else []
+            wanted += [p for p in stages[index].parameters() if p.requires_grad]
+            grads = torch.autograd.grad(outputs[index], wanted, grad, allow_unused=True)
             if attempt > 0:
                 timings[index].append(forward[index] + time.perf_counter() - start)
-            grad = grads[0] if wanted else None
+            grad = grads[0] if inputs[index].requires_grad else None
             if grad is None and index > 0:
                 grad = torch.zeros_like(outputs[index - 1])
     for unit, seconds, nbytes in zip(traced.units, timings, saved, strict=True):

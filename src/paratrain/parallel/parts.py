@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -108,7 +108,9 @@ class ModelParts(list):
             modules, devices=self.devices, layout=self.layout, memory_format=self.memory_format
         )
 
-    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+    def __call__(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """The parts' forward, each on its device (a pipeline stage before the last:
+        None)."""
         out = inputs
         for device, part in zip(self.devices, self, strict=True):
             out = part(out.to(device, non_blocking=True))
@@ -187,7 +189,7 @@ class ModelParts(list):
         """Every part to eval mode."""
         return self.train(False)
 
-    def no_sync(self) -> contextlib.ExitStack:
+    def no_sync(self) -> contextlib.AbstractContextManager[Any]:
         """Gradients stay local (DDP's no_sync) until the step that leaves this context."""
         stack = contextlib.ExitStack()
         for part in self:
@@ -234,7 +236,7 @@ def unwrap(module: nn.Module) -> nn.Module:
     while True:
         if isinstance(module, nn.parallel.DistributedDataParallel | nn.DataParallel):
             module = module.module
-        elif hasattr(module, "_orig_mod"):
-            module = module._orig_mod
+        elif isinstance(getattr(module, "_orig_mod", None), nn.Module):
+            module = getattr(module, "_orig_mod")  # noqa: B009 (torch.compile's wrapper)
         else:
             return module

@@ -20,6 +20,7 @@ evaluation counts come from the last stage only.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -49,7 +50,9 @@ class _Loss:
         self.microbatches = microbatches
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self.criterion(output, target) / (self.divisor * self.microbatches)
+        assert self.criterion is not None  # set by forward_backward before the schedule runs
+        loss: torch.Tensor = self.criterion(output, target)
+        return loss / (self.divisor * self.microbatches)
 
 
 class PipelineParts(ModelParts):
@@ -144,7 +147,7 @@ class PipelineParts(ModelParts):
         own, and replicas of a stage hold the same keys (DCP writes them once)."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        named = get_optimizer_state_dict(self[0], optimizer)
+        named = cast(dict[str, Any], get_optimizer_state_dict(self[0], optimizer))
         model = {k: v.detach() for k, v in self[0].state_dict().items()}
         return optim_state.flatten(model, named), named["param_groups"]
 
@@ -278,8 +281,9 @@ class Pipeline(Strategy):
             ]
             plans = partition.describe(traced, starts)
             get_logger().info(partition.format_plan(plans, where, max(2, micro)))
-        starts = comm.broadcast_object(starts)
-        module = partition.build_stages(traced, starts, contiguous_outputs=True)[layout.stage]
+        agreed = comm.broadcast_object(starts)
+        assert agreed is not None  # rank 0 chose them
+        module = partition.build_stages(traced, agreed, contiguous_outputs=True)[layout.stage]
         module = module.to(runtime.device)
         runs: nn.Module = module
         if replicas > 1:  # the stage's copies average its gradients while backward runs

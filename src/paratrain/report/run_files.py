@@ -112,6 +112,7 @@ def summarise(
         if runtime.is_main
         else None
     )
+    assert summary is not None  # rank 0's, on every rank
     if runtime.is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         best = summary["best_val_top1"]
@@ -126,7 +127,7 @@ def summarise(
 def nothing_left(cfg: TrainConfig, run_dir: Path, runtime: Runtime, reached: int) -> dict:
     """A resumed run whose checkpoint has already reached ``cfg.epochs``: said, and the
     run's files left as they were (its summary returned, not rewritten)."""
-    summary = None
+    summary: dict | None = None
     if runtime.is_main:
         get_logger().info(
             f"{run_dir}: {reached} of {cfg.epochs} epoch(s) already trained, nothing left to "
@@ -134,4 +135,6 @@ def nothing_left(cfg: TrainConfig, run_dir: Path, runtime: Runtime, reached: int
         )
         path = run_dir / "summary.json"
         summary = json.loads(path.read_text()) if path.is_file() else {"run_dir": str(run_dir)}
-    return comm.broadcast_object(summary)
+    agreed = comm.broadcast_object(summary)
+    assert agreed is not None  # rank 0's, on every rank
+    return agreed

@@ -23,7 +23,7 @@ class Board:
         self.writer = None
         self.world_size = world_size
         self.last = time.perf_counter()
-        self.pending = None  # (loss x n, correct, n) of steps not yet written
+        self.pending: torch.Tensor | None = None  # (loss x n, correct, n) not yet written
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
