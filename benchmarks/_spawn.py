@@ -33,6 +33,14 @@ def _entry(rank: int, world: int, port: int, threads: int, fn, args, out: str) -
         dist.destroy_process_group()
 
 
+def status_bytes(field: str) -> int:
+    """A memory figure of this process from /proc/self/status (VmRSS, VmHWM), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
 def run(fn, world: int, threads: int, *args) -> list:
     """``fn(rank, world, *args)`` in ``world`` processes of ``threads`` threads each."""
     with socket.socket() as sock:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from _spawn import run as spawn
+from _spawn import status_bytes
 
 from paratrain.config import TrainConfig
 from paratrain.distributed.env import detect
@@ -30,13 +31,6 @@ from paratrain.engine.recipe import build_optimizer
 from paratrain.parallel.parallelize import build_parts
 
 CLASSES = 10
-
-
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def _local_bytes(tensor: torch.Tensor) -> int:
@@ -60,12 +54,12 @@ def _worker(rank, world, args, strategy):
     )
     x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=runtime.device)
     y = torch.randint(0, CLASSES, (args.batch_size,), device=runtime.device)
-    before = _status("VmRSS")
+    before = status_bytes("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     if cuda:
         torch.cuda.reset_peak_memory_stats(runtime.device)
     parts = build_parts(cfg, CLASSES, runtime)
-    built = torch.cuda.max_memory_allocated(runtime.device) if cuda else _status("VmHWM")
+    built = torch.cuda.max_memory_allocated(runtime.device) if cuda else status_bytes("VmHWM")
     optimizer = build_optimizer(parts, cfg, parts.replicas)
     precision = Precision(args.precision, runtime.device)
     for _ in range(3):
@@ -73,7 +67,7 @@ def _worker(rank, world, args, strategy):
         parts.forward_backward(x, y, torch.nn.CrossEntropyLoss(), precision, 1)
         parts.after_backward()
         optimizer.step()
-    peak = torch.cuda.max_memory_allocated(runtime.device) if cuda else _status("VmHWM")
+    peak = torch.cuda.max_memory_allocated(runtime.device) if cuda else status_bytes("VmHWM")
     params = list(parts.parameters())
     held = sum(_local_bytes(p) for p in params)
     held += sum(_local_bytes(p.grad) for p in params if p.grad is not None)

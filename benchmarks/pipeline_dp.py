@@ -14,34 +14,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
 from _spawn import run as spawn
+from _spawn import status_bytes
+from pipeline_vs_split import _seconds_per_step as seconds_per_step
 
 from paratrain.config import TrainConfig
-from paratrain.distributed.env import detect
-from paratrain.distributed.runtime import Runtime
-from paratrain.engine.precision import Precision
-from paratrain.engine.recipe import build_optimizer
-from paratrain.models.registry import build_model
-
-try:  # this tree, or an older one (parallelize lived in parallel/__init__)
-    from paratrain.parallel.parallelize import parallelize
-except ImportError:
-    from paratrain.parallel import parallelize  # type: ignore[attr-defined,no-redef]
-
-CLASSES = 10
-
-
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def _worker(rank: int, world: int, args) -> tuple[float, int]:
@@ -55,28 +34,10 @@ def _worker(rank: int, world: int, args) -> tuple[float, int]:
         stages=args.stages,
         microbatches=args.microbatches,
     )
-    runtime = Runtime(env=detect(os.environ), device=torch.device("cpu"), backend="gloo")
-    before = _status("VmRSS")
+    before = status_bytes("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    parts = parallelize(build_model(cfg, CLASSES), cfg, runtime)
-    optimizer = build_optimizer(parts, cfg, parts.replicas)
-    precision, criterion = Precision("32", runtime.device), torch.nn.CrossEntropyLoss()
-    generator = torch.Generator().manual_seed(rank // args.stages)
-    x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=generator)
-    y = torch.randint(0, CLASSES, (args.batch_size,), generator=generator)
-    parts.train()
-    times = []
-    for step in range(args.warmup + args.steps):
-        dist.barrier()
-        start = time.perf_counter()
-        parts.forward_backward(x, y, criterion, precision, 1)
-        parts.after_backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        dist.barrier()  # the step ends when every stage of every copy is done
-        if step >= args.warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times), _status("VmHWM") - before
+    seconds = seconds_per_step(cfg, args.steps, args.warmup)
+    return seconds, status_bytes("VmHWM") - before
 
 
 def main() -> None:

@@ -31,7 +31,11 @@ from paratrain.distributed.runtime import Runtime
 from paratrain.engine.precision import Precision
 from paratrain.engine.recipe import build_optimizer
 from paratrain.models.registry import build_model
-from paratrain.parallel.parallelize import parallelize
+
+try:  # this tree, or an older one (parallelize lived in parallel/__init__)
+    from paratrain.parallel.parallelize import parallelize
+except ImportError:
+    from paratrain.parallel import parallelize  # type: ignore[attr-defined,no-redef]
 
 CLASSES = 10
 
@@ -56,7 +60,7 @@ def _seconds_per_step(cfg: TrainConfig, steps: int, warmup: int) -> float:
     parts = parallelize(build_model(cfg, CLASSES), cfg, runtime)
     optimizer = build_optimizer(parts, cfg, parts.replicas)
     precision, criterion = Precision("32", runtime.device), torch.nn.CrossEntropyLoss()
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(dist.get_rank() // cfg.stages if world > 1 else 0)
     x = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size, generator=generator)
     y = torch.randint(0, CLASSES, (cfg.batch_size,), generator=generator)
     parts.train()

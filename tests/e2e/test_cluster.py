@@ -70,6 +70,19 @@ def _env(root: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+def sbatch(
+    root: Path, script: Path, timeout: float = 400
+) -> tuple[subprocess.CompletedProcess, str]:
+    """The job script run through the stub SLURM commands: the job, and its tasks' logs."""
+    logs = root / "logs"
+    logs.mkdir()
+    env = _env(root, STUB_LOGS=str(logs), PATH=f"{_stub_bin(root)}:{os.environ['PATH']}")
+    job = subprocess.run(
+        ["sbatch", str(script)], cwd=root, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    return job, "\n".join(p.read_text() for p in sorted(logs.glob("task*.log")))
+
+
 def test_slurm_script_runs_two_agents_that_equal_a_four_process_run(tmp_path, capsys):
     data = make_image_folder(tmp_path / "data", classes=3, per_class=20)
     port = 29000 + os.getpid() % 1000
@@ -82,13 +95,7 @@ def test_slurm_script_runs_two_agents_that_equal_a_four_process_run(tmp_path, ca
     assert "#SBATCH --signal=B:USR1@120" in text and "--rdzv-backend=c10d" in text
     assert "--nnodes=2 --nproc-per-node=2" in text
 
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    env = _env(tmp_path, STUB_LOGS=str(logs), PATH=f"{_stub_bin(tmp_path)}:{os.environ['PATH']}")
-    job = subprocess.run(
-        ["sbatch", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-    )
-    task_logs = "\n".join(p.read_text() for p in sorted(logs.glob("task*.log")))
+    job, task_logs = sbatch(tmp_path, script)
     assert job.returncode == 0, job.stderr + task_logs
     run_dir = tmp_path / "runs/stub-4242"
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_cluster import _env, _stub_bin
+from test_cluster import sbatch
 
 from imagefolders import make_image_folder
 from paratrain.cli import main
@@ -52,13 +52,7 @@ def two_nodes(tmp_path_factory):
     with redirect_stdout(printed):
         assert main(args) == 0
     script.write_text(printed.getvalue())
-    logs = root / "logs"
-    logs.mkdir()
-    env = _env(root, STUB_LOGS=str(logs), PATH=f"{_stub_bin(root)}:{os.environ['PATH']}")
-    job = subprocess.run(
-        ["sbatch", str(script)], cwd=root, env=env, capture_output=True, text=True, timeout=400
-    )
-    task_logs = "\n".join(p.read_text() for p in sorted(logs.glob("task*.log")))
+    job, task_logs = sbatch(root, script)
     assert job.returncode == 0, job.stderr + task_logs
     reference = {"data": str(data), "output_dir": str(root / "runs"), "name": "ddp", "epochs": 2}
     run_distributed(fit_on_rank, 4, {**reference, **CONFIG, "deterministic": True})
