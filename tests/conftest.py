@@ -15,6 +15,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 from imagefolders import make_image_folder  # noqa: E402
 
 
+def pytest_configure(config):
+    """Caches of this test session in a folder of its own, not the user's: paratrain's
+    (decoded images, the screen's verdicts, the digits set) and Hugging Face's."""
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="paratrain-tests-"))
+    os.environ["PARATRAIN_CACHE"] = str(root / "paratrain")
+    os.environ["HF_HOME"] = str(root / "huggingface")
+    os.environ["HF_DATASETS_CACHE"] = str(root / "huggingface" / "datasets")
+
+
 @pytest.fixture(autouse=True)
 def _clean_dist_env(monkeypatch):
     """No test sees a launcher's variables from the shell that ran pytest."""

@@ -65,3 +65,90 @@ def make_damaged_folder(root, classes=3, per_class=34):
     for c in range(classes):
         (data / f"class_{c}" / "notes.txt").write_text("not an image")
     return data, sorted(str(p) for p in truncated + empty)
+
+
+def _jpeg(rng, colour: int, size: tuple[int, int]) -> bytes:
+    import io
+
+    base = np.array(PALETTE[colour % len(PALETTE)], dtype=np.float32)
+    pixels = np.clip(base + rng.normal(0, 25, size=(size[1], size[0], 3)), 0, 255)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels.astype(np.uint8)).save(buffer, "JPEG")
+    return buffer.getvalue()
+
+
+def make_hf_dataset(
+    root: Path,
+    classes: int = 3,
+    per_class: int = 12,
+    splits: tuple[str, ...] = ("train", "validation"),
+    image_column: str = "image",
+    label_column: str = "label",
+    class_label: bool = True,
+    form: str = "save_to_disk",
+    size: tuple[int, int] = (40, 30),
+) -> Path:
+    """A Hugging Face dataset on disk: ``save_to_disk`` (a DatasetDict) or parquet files
+    (``root/<split>-00000.parquet``), an Image column and a ClassLabel (or plain int)
+    column; the validation split has a third as many images per class."""
+    import datasets
+
+    rng = np.random.default_rng(0)
+    names = [f"class_{i}" for i in range(classes)]
+    label_type = datasets.ClassLabel(names=names) if class_label else datasets.Value("int64")
+    features = datasets.Features({image_column: datasets.Image(), label_column: label_type})
+    made = {}
+    for split in splits:
+        count = per_class if split == splits[0] else max(2, per_class // 3)
+        rows = [(c, _jpeg(rng, c, size)) for c in range(classes) for _ in range(count)]
+        made[split] = datasets.Dataset.from_dict(
+            {
+                image_column: [{"bytes": raw, "path": None} for _, raw in rows],
+                label_column: [c for c, _ in rows],
+            },
+            features=features,
+        )
+    if form == "save_to_disk":
+        datasets.DatasetDict(made).save_to_disk(str(root))
+    else:
+        root.mkdir(parents=True, exist_ok=True)
+        for split, dataset in made.items():
+            dataset.to_parquet(str(root / f"{split}-00000.parquet"))
+    return root
+
+
+def make_shards(
+    root: Path,
+    shards: int = 4,
+    classes: int = 3,
+    per_shard: int = 12,
+    label: str = "number",
+    names_file: bool = False,
+    size: tuple[int, int] = (40, 30),
+    prefix: str = "shard",
+) -> Path:
+    """WebDataset tar shards ``root/<prefix>-000.tar``...: each sample a ``.jpg`` and a
+    ``.cls`` (its class number, or its class name with ``label="name"``); returns root."""
+    import io
+    import tarfile
+
+    rng = np.random.default_rng(len(prefix))
+    root.mkdir(parents=True, exist_ok=True)
+    count = 0
+    for shard in range(shards):
+        with tarfile.open(root / f"{prefix}-{shard:03d}.tar", "w") as tar:
+            for _ in range(per_shard):
+                c = count % classes
+                key = f"sample{count:06d}"
+                text = str(c) if label == "number" else f"class_{c}"
+                for name, data in (
+                    (f"{key}.jpg", _jpeg(rng, c, size)),
+                    (f"{key}.cls", text.encode()),
+                ):
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+                count += 1
+    if names_file:
+        (root / "classes.txt").write_text("".join(f"class_{c}\n" for c in range(classes)))
+    return root

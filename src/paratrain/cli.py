@@ -38,6 +38,7 @@ from paratrain.config import (
 from paratrain.config.schema import Setting, coerce_all
 from paratrain.config.train import read_recipe
 from paratrain.errors import UserError
+from paratrain.log import mark_start
 from paratrain.version import __version__
 
 S = argparse.SUPPRESS  # a flag the user did not give stays absent: defaults and presets fill it
@@ -222,6 +223,7 @@ def resolve_train_args(args: argparse.Namespace) -> TrainConfig:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` and run the command; returns the exit code (2 for a user's mistake, told in one line)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    mark_start()
     parser = build_parser()
     if not argv:
         parser.print_help()

@@ -6,9 +6,32 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import time
 
 _LOGGER_NAME = "paratrain"
+STARTED = "PARATRAIN_STARTED"  # when the command started (epoch seconds), for its processes
+
+
+def mark_start() -> None:
+    """Note now as the command's start, for this process and those it starts."""
+    os.environ.setdefault(STARTED, repr(time.time()))
+
+
+def since_start() -> float:
+    """Seconds since the command started (``mark_start``), else since this process did."""
+    if STARTED in os.environ:
+        try:
+            return time.time() - float(os.environ[STARTED])
+        except ValueError:
+            pass
+    try:  # field 22 of /proc/self/stat: the process's start, in clock ticks after boot
+        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        uptime = float(open("/proc/uptime").read().split()[0])
+        return uptime - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.process_time()
 
 
 def get_logger() -> logging.Logger:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import numpy as np
 import torch
@@ -10,6 +11,8 @@ from PIL import Image
 
 from imagefolders import make_image_folder
 from paratrain.data.cache import (
+    PACKED,
+    RAW,
     CachedImages,
     cached_eval_transform,
     prepare,
@@ -78,18 +81,25 @@ def test_train_transform_on_cached_uint8(tmp_path):
     assert cache.image(0).dtype == torch.uint8 and min(cache.image(0).shape[1:]) == 27
 
 
-def test_changed_data_rebuilds_and_auto_respects_the_budget(tmp_path):
-    split = build_split(_varied_folder(tmp_path / "d"))
+def test_changed_data_rebuilds_and_auto_respects_the_budget(tmp_path, monkeypatch):
+    data = _varied_folder(tmp_path / "d")
+    split = build_split(data)
     first = prepare(split.train, 32, "auto", 1.0, str(tmp_path / "cache"), workers=0)
-    same = prepare(split.train, 32, "auto", 1.0, str(tmp_path / "cache"), workers=0)
-    assert same.directory == first.directory
+    same = prepare(build_split(data).train, 32, "auto", 1.0, str(tmp_path / "cache"), workers=0)
+    assert same.directory == first.directory and first.kind == RAW
     path = split.train[0][0]
     Image.fromarray(np.zeros((48, 64, 3), np.uint8)).save(path)
     os.utime(path, ns=(1, 1))
+    split = build_split(data)  # the next start lists the changed file
     changed = prepare(split.train, 32, "auto", 1.0, str(tmp_path / "cache"), workers=0)
     assert changed.directory != first.directory
     assert changed.image(0).sum() == 0
-    assert prepare(split.train, 32, "auto", 1e-9, str(tmp_path / "other"), workers=0) is None
+    # over the budget for raw pixels: packed JPEG, where the disk has room; else none
+    packed = prepare(split.train, 32, "auto", 1e-9, str(tmp_path / "other"), workers=0)
+    assert packed is not None and packed.kind == PACKED
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=100))
+    assert prepare(split.train, 32, "auto", 1e-9, str(tmp_path / "third"), workers=0) is None
     assert prepare(split.train, 32, "off", 1.0, str(tmp_path / "cache"), workers=0) is None
 
 
@@ -135,9 +145,75 @@ def test_building_the_cache_is_the_screen_and_a_ready_cache_needs_none(tmp_path,
     kept = screen(split, "skip", 0, 1, 0, tmp_path, found=built.bad)
     assert len(kept.train) + len(kept.val) == len(samples) - 2
     images = CachedImages(kept.train, built, cached_eval_transform(24))
+    rows = built.slots(kept.train)
+    assert len(set(rows.tolist())) == len(kept.train)
     for i, (path, _) in enumerate(kept.train):  # each read from its own slot
-        assert torch.equal(images[i][0], cached_eval_transform(24)(built.image(built.slots[path])))
+        assert samples.keys[int(rows[i])] == path
+        assert torch.equal(images[i][0], cached_eval_transform(24)(built.image(int(rows[i]))))
 
     decoded.clear()
     again = prepare(samples, 24, "on", 1.0, str(tmp_path / "c"), workers=0)
     assert decoded == [] and again.bad == built.bad  # ready: read, not decoded again
+
+
+def test_the_packed_cache_holds_small_jpegs_read_as_the_raw_pixels_nearly_are(tmp_path):
+    from paratrain.data import jpeg
+    from paratrain.data.device_batches import DeviceAugmented
+
+    data = _varied_folder(tmp_path / "d")
+    ramp = np.linspace(0, 255, 120)  # a smooth picture, as photos mostly are
+    smooth = np.stack(
+        [
+            ramp[None, :].repeat(90, 0),
+            ramp[:90, None].repeat(120, 1),
+            255 - ramp[None, :].repeat(90, 0),
+        ],
+        -1,
+    )
+    Image.fromarray(smooth.astype(np.uint8)).save(data / "class_0" / "smooth.png")
+    split = build_split(data, val_fraction=0.01)
+    assert any(key.endswith("smooth.png") for key in split.train.keys)
+    raw = prepare(split.train, 32, "raw", 1.0, str(tmp_path / "cache"), workers=0)
+    packed = prepare(split.train, 32, "packed", 1.0, str(tmp_path / "cache"), workers=0)
+    assert packed.kind == "packed" and packed.directory != raw.directory
+    assert [p.startswith("part-") for p in packed.parts] == [True]
+    assert packed.nbytes < raw.nbytes  # JPEG at quality 90 is smaller than the pixels
+    for row in range(len(split.train)):
+        a, b = raw.image(row), packed.image(row)
+        assert a.shape == b.shape  # the same resize; only the re-encoding differs
+        # most test images are noise, which JPEG's 4:2:0 chroma blurs; colour stays
+        assert (a.float().mean((1, 2)) - b.float().mean((1, 2))).abs().max() < 2
+        if split.train[row][0].endswith("smooth.png"):
+            assert (a.float() - b.float()).abs().mean() < 1.5
+        assert torch.equal(b, packed.image(row))  # the same pixels every read
+    # the device path gets a packed entry's bytes, and decodes them to the same pixels
+    device = DeviceAugmented(split.train, TrainAugment(24), packed)
+    batch, _ = device.__getitems__([(0, 5), (1, 6)])
+    assert batch.encoded == [True, True]
+    on_cpu = batch.on(torch.device("cpu"), torch.contiguous_format)
+    cached = CachedImages(split.train, packed, TrainAugment(24)).__getitems__([(0, 5), (1, 6)])[0]
+    assert torch.allclose(on_cpu, cached, atol=1e-5)
+    # both decoders installed give the same pixels
+    stored = packed.stored(0)[0].numpy().tobytes()
+    if jpeg.simplejpeg is not None:
+        assert np.array_equal(jpeg.decode(stored, "simplejpeg"), jpeg.decode(stored, "PIL"))
+
+
+def test_validation_reads_a_packed_cache_never(tmp_path):
+    from paratrain.config import TrainConfig
+    from paratrain.data.loaders import validation_loader
+
+    split = build_split(_varied_folder(tmp_path / "d"))
+    cfg = TrainConfig(image_size=32, workers=0)
+    for kind, cached in (("raw", True), ("packed", False)):
+        cache = prepare(
+            split.train + split.val,
+            32,
+            kind,
+            1.0,
+            str(tmp_path / "c"),
+            workers=0,
+            short=cfg.stored_size,
+        )
+        loader = validation_loader(split.val, cfg, 4, 0, 0, 1, cache)
+        assert isinstance(loader.dataset, CachedImages) is cached, kind  # JPEG is lossy

@@ -10,13 +10,16 @@ import hashlib
 import logging
 import multiprocessing
 import shutil
+import zlib
+from unittest import mock
 
 import pytest
 
 from imagefolders import make_image_folder
-from paratrain.data.cache import MANIFEST, prepare
+from paratrain.data import cache as cache_module
+from paratrain.data.cache import MANIFEST, agree_intact, prepare
 from paratrain.data.folder import build_split
-from paratrain.errors import UserError
+from paratrain.errors import AgreedUserError, UserError
 from paratrain.log import get_logger
 
 
@@ -47,10 +50,13 @@ def _said():
 
 
 def _digest(cache) -> str:
-    return hashlib.sha256((cache.directory / "data.u8").read_bytes()).hexdigest()
+    digest = hashlib.sha256()
+    for part in cache.parts:
+        digest.update((cache.directory / part).read_bytes())
+    return digest.hexdigest()
 
 
-@pytest.mark.parametrize("damage", ["truncated", "emptied", "garbled", "no manifest"])
+@pytest.mark.parametrize("damage", ["truncated", "emptied", "no manifest"])
 def test_a_damaged_cache_is_rebuilt_and_the_run_says_why(samples, tmp_path, damage):
     root = str(tmp_path / "cache")
     first = prepare(samples, 24, "on", 1.0, root, workers=0)
@@ -60,16 +66,39 @@ def test_a_damaged_cache_is_rebuilt_and_the_run_says_why(samples, tmp_path, dama
         data.write_bytes(data.read_bytes()[:100])
     elif damage == "emptied":
         data.write_bytes(b"")
-    elif damage == "garbled":
-        raw = bytearray(data.read_bytes())
-        raw[len(raw) // 2] ^= 0xFF
-        data.write_bytes(bytes(raw))
     else:
         (first.directory / MANIFEST).unlink()
     with _said() as lines:
         again = prepare(samples, 24, "on", 1.0, root, workers=0)
     assert _digest(again) == good
     assert any("building it again" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("kind", ["raw", "packed"])
+def test_garbled_blocks_are_found_while_training_runs_and_named(samples, tmp_path, kind):
+    """A ready cache is opened without reading its data; the background check then
+    finds the garbled block, the run stops naming it, and the next start rebuilds."""
+    root = str(tmp_path / "cache")
+    first = prepare(samples, 24, kind, 1.0, root, workers=0)
+    assert first.damage(wait=True) is None  # a whole cache passes
+    agree_intact(first, wait=True)
+    good = _digest(first)
+    data = first.directory / first.parts[0]
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    sums = []
+    real = zlib.crc32
+    with mock.patch.object(cache_module.zlib, "crc32", lambda b, *a: sums.append(1) or real(b, *a)):
+        opened = prepare(samples, 24, kind, 1.0, root, workers=0, check=False)
+    assert opened is not None and sums == []  # started without a checksum
+    opened.start_check()
+    assert f"block 0 of {first.parts[0]}" in opened.damage(wait=True)
+    with pytest.raises(AgreedUserError, match="cache is damaged: .*block 0 of .*differs"):
+        agree_intact(opened, wait=True)
+    assert not (opened.directory / MANIFEST).exists()  # so the next start builds it again
+    again = prepare(samples, 24, kind, 1.0, root, workers=0)
+    assert _digest(again) == good
 
 
 def _build_at_once(root: str, paths: list, start, out) -> None:
@@ -111,7 +140,7 @@ def test_free_space_is_checked_before_writing(samples, tmp_path, monkeypatch):
     real = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
     root = str(tmp_path / "cache")
-    with pytest.raises(UserError, match="need .* GB and .* has 0.00 GB free"):
+    with pytest.raises(UserError, match="needs .* GB and .* has 0.00 GB free"):
         prepare(samples, 24, "on", 1.0, root, workers=0)
     with _said() as lines:
         assert prepare(samples, 24, "auto", 1.0, root, workers=0) is None

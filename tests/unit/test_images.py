@@ -89,9 +89,9 @@ def test_a_slow_scan_shows_a_progress_bar(tmp_path, monkeypatch, capsys):
     data = make_image_folder(tmp_path / "d", classes=2, per_class=12)
     real = folder_module.image_problem
 
-    def slow(path):
+    def slow(path, source=None):
         time.sleep(0.06)
-        return real(path)
+        return real(path, source)
 
     monkeypatch.setattr("paratrain.data.scan.image_problem", slow)
     monkeypatch.setattr("sys.stderr.isatty", lambda: True)  # as on a terminal

@@ -270,10 +270,10 @@ def choose_batch(
 
 def _data_cap(cfg: TrainConfig) -> int:
     """The largest batch that leaves MIN_STEPS steps an epoch of the training images."""
-    from paratrain.data.folder import build_split
+    from paratrain.data.loaders import read_split
     from paratrain.parallel import get as strategy_of
 
-    images = len(build_split(cfg.dataset, cfg.val_fraction, cfg.split_seed).train)
+    images = len(read_split(cfg).train)
     replicas = strategy_of(cfg.strategy).layout(cfg, cfg.processes).dp_size
     return round_batch(images / (max(replicas, 1) * MIN_STEPS * cfg.grad_accum))
 
@@ -357,11 +357,11 @@ def range_test(cfg: TrainConfig, steps: int, plot: Path | None, say) -> Choice[f
     ``steps`` steps (seeded: repeatable)."""
     from torch.utils.data import DataLoader
 
-    from paratrain.data.folder import build_split
+    from paratrain.data.loaders import read_split
     from paratrain.data.samplers import TrainBatches, train_sampler
     from paratrain.data.transforms import Augment, DecodedSamples, TrainAugment, batched
 
-    split = build_split(cfg.dataset, cfg.val_fraction, cfg.split_seed)
+    split = read_split(cfg)
     sweep = replace(cfg, lr=1.0, lr_scaling="none", nproc=1, ema_decay=None)
     torch.manual_seed(cfg.seed)
     stepper = _one_process_stepper(sweep, torch.device("cpu"), len(split.classes))

@@ -38,7 +38,8 @@ class Rule:
     high_open: bool = False
     pattern: str | None = None  # a string must match this regular expression
     pattern_text: str = ""  # what the pattern means, for messages
-    path: str | None = None  # "file", "dir" or "entry" (either): must exist (check_paths)
+    path: str | None = None  # "file", "dir", "entry" (either) or "data" (a dir, or a
+    # scheme: hf:NAME, wds:PATTERN): must exist (check_paths)
     auto: bool = False  # also accepts the word "auto"
     empty_ok: bool = False  # a string may be empty
     default_text: str = ""  # how the default reads when it is computed, not a value
@@ -270,19 +271,24 @@ def check(options: Any) -> None:
         check_value(s, getattr(options, s.name))
 
 
+DATA_SCHEMES = ("hf:", "wds:")  # --data that is not a folder (data/sources.py)
+
+
 def check_paths(options: Any) -> None:
     """Settings that name a file or folder: it must be there (the auto word aside)."""
     for s in settings(type(options)):
         value = getattr(options, s.name)
         if value is None or (s.rule.auto and value == "auto") or s.rule.path is None:
             continue
+        if s.rule.path == "data" and value.startswith(DATA_SCHEMES):
+            continue  # a dataset name or a shard pattern: its source checks it
         path = Path(value).expanduser()
         if s.rule.path == "file" and not path.is_file():
             what = "is a directory, not a file" if path.is_dir() else "does not exist"
             raise UserError(f"{s.flag} file {what}: {value}")
         if s.rule.path == "entry" and not path.exists():
             raise UserError(f"{s.flag} does not exist: {value}")
-        if s.rule.path == "dir" and not path.is_dir():
+        if s.rule.path in ("dir", "data") and not path.is_dir():
             what = "is a file, not a directory" if path.exists() else "does not exist"
             raise UserError(f"{s.flag} directory {what}: {value}")
 

@@ -34,12 +34,51 @@ class TrainConfig(Options):
     # data
     data: str | None = setting(
         None,
-        "image folder: DIR/<class>/* or DIR/{train,val}/<class>/*",
+        "the images: a folder DIR/<class>/* or DIR/{train,val}/<class>/*; a Hugging Face "
+        "dataset, hf:NAME or a save_to_disk/parquet folder; WebDataset shards, "
+        "wds:PATTERN (local paths or URLs, {000..099} expands)",
         group="data",
-        path="dir",
-        metavar="DIR",
+        path="data",
+        metavar="DATA",
         default_text="the embedded digits set",
         resume="quiet",
+    )
+    data_split: str | None = setting(
+        None,
+        "the dataset split to train on (hf: and dataset folders)",
+        group="data",
+        metavar="NAME",
+        default_text="train",
+        resume="fixed",
+        resume_why="the train/val split would change",
+    )
+    val_split: str | None = setting(
+        None,
+        "the validation split: a dataset split's name (hf:), or a shard pattern (wds:)",
+        group="data",
+        metavar="NAME",
+        default_text="validation/valid/val/test where the dataset has one, else "
+        "--val-fraction of the training data",
+        resume="fixed",
+        resume_why="the train/val split would change",
+    )
+    image_column: str | None = setting(
+        None,
+        "the dataset column holding the images (hf: and dataset folders)",
+        group="data",
+        metavar="NAME",
+        default_text="the column of Image type",
+        resume="fixed",
+        resume_why="the images would change",
+    )
+    label_column: str | None = setting(
+        None,
+        "the dataset column holding the labels (hf: and dataset folders)",
+        group="data",
+        metavar="NAME",
+        default_text="the ClassLabel column, else label/labels/target/class",
+        resume="fixed",
+        resume_why="the labels would change",
     )
     val_fraction: float = setting(
         0.2,
@@ -118,15 +157,16 @@ class TrainConfig(Options):
     )
     cache: str = setting(
         "auto",
-        "decode every image once into a memory-mapped uint8 cache; "
-        "auto: on when it fits --cache-max-gb",
+        "decode every image once, resized, onto local disk: raw (on) keeps uint8 pixels, "
+        "memory-mapped; packed keeps small JPEGs in a few large files; auto: raw when "
+        "it fits --cache-max-gb, else packed when the disk has room, else off",
         group="data",
-        choices=("auto", "on", "off"),
+        choices=("auto", "on", "raw", "packed", "off"),
         resume="quiet",
     )
     cache_max_gb: float = setting(
         4.0,
-        "memory budget of the decoded-image cache in auto mode",
+        "memory budget of raw cached pixels in auto mode (beyond it: packed JPEG)",
         group="data",
         low=0.0,
         low_open=True,

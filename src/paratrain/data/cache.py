@@ -1,12 +1,27 @@
-"""The decoded-image cache: every image decoded once, stored as uint8 in a memory map.
+"""The decoded-image cache: every image decoded once, resized, and kept on local disk.
 
 Each image is decoded as evaluation decodes it (a JPEG at reduced scale where it stays
 large enough) and resized (with the very Resize the eval transform uses) so that its
-shorter side is what the transforms need, and stored as HWC uint8 in one flat file under the
-cache directory, with an index of offsets and shapes. The directory's name is a hash of
-the file list, the files' sizes and modification times and the stored size, so changing
-the data builds a new cache. Ranks decode disjoint shards in parallel into the same file
-and then all read it; the operating system's page cache shares it between processes.
+shorter side is what the transforms need. Two kinds:
+
+* ``raw``: HWC uint8 pixels in one flat file, memory-mapped: nothing to decode, so the
+  fastest to read, and bit for bit the decode path's evaluation input; as large as the
+  pixels (ImageNet at 224 px: about 335 GB);
+* ``packed``: each image re-encoded as a JPEG at quality 90 into a few large files (one
+  per building rank) with an index, as FFCV keeps ImageNet (tens of GB): a small JPEG
+  decodes several times faster than the original photo. Lossy, so validation still
+  decodes the originals (exact evaluation stays exact).
+
+``--cache auto`` takes raw pixels when they fit ``--cache-max-gb``, else packed JPEG when
+the disk has room, else none, and says which and why.
+
+The folder's name is a hash of the kind, the stored size and every entry's key, size and
+modification time (data/samples.py), so changed data builds a new cache. Ranks decode
+disjoint shares in parallel; the node's first rank writes the manifest (each file's size,
+a CRC-32 for every 64 MB block) and renames the folder into place. A ready cache is
+checked at start by what is cheap (manifest, index, sizes); its blocks' checksums are
+checked in the background while training runs, and damage stops the run, named, with
+the manifest removed so the next start builds it again (``agree_intact``).
 """
 
 from __future__ import annotations
@@ -18,6 +33,7 @@ import os
 import shutil
 import socket
 import sys
+import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -31,14 +47,10 @@ from torchvision import transforms as T
 from torchvision.transforms import v2
 from tqdm import tqdm
 
+from paratrain.data import jpeg
 from paratrain.data.builtin import default_cache_dir
-from paratrain.data.folder import (
-    IMAGE_ERRORS,
-    Sample,
-    open_image,
-    read_rgb,
-    upright_size,
-)
+from paratrain.data.folder import IMAGE_ERRORS, open_image, read_rgb, upright_size
+from paratrain.data.samples import Samples, as_samples
 from paratrain.data.transforms import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -52,114 +64,205 @@ from paratrain.errors import AgreedUserError
 from paratrain.files import fsync, swap_in
 from paratrain.log import get_logger
 
-CACHE_FORMAT = 4  # 2: every file has a slot; 3: JPEG draft; 4: manifest with checksums
+CACHE_FORMAT = 5  # 4: manifest with checksums; 5: kinds (raw, packed), parts, keyed entries
+RAW, PACKED = "raw", "packed"
+MODES = ("auto", "on", RAW, PACKED, "off")  # on: raw pixels, as before there were kinds
+MANIFEST = "manifest.json"  # written last: a cache without a valid one is not a cache
+BLOCK = 64 * 2**20  # bytes a checksum covers
+SIZING_SAMPLE = 2000  # headers read to estimate a large data set's decoded size
+_held_locks: dict[str, int] = {}  # cache key -> descriptor of its lock, while building
 
 
-def cache_key(samples: Sequence[Sample], short_side: int) -> str:
-    """The cache's name: a hash of the format, the stored size and every file's path, size and modification time, so changed data gets a new cache."""
-    digest = hashlib.sha256(f"paratrain-cache-{CACHE_FORMAT}-{short_side}".encode())
-    for path, _ in samples:
-        stat = os.stat(path)
-        digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+def kind_of(mode: str) -> str | None:
+    """The kind a mode asks for (None: auto decides)."""
+    return {"on": RAW, RAW: RAW, PACKED: PACKED}.get(mode)
+
+
+def cache_key(samples: Samples, short_side: int, kind: str = RAW) -> str:
+    """The cache's name: a hash of the format, the kind, the stored size and every
+    entry's key, size and modification time, so changed data gets a new cache."""
+    quality = jpeg.QUALITY if kind == PACKED else 0
+    digest = hashlib.sha256(
+        f"paratrain-cache-{CACHE_FORMAT}-{kind}-{short_side}-{quality}".encode()
+    )
+    digest.update(samples.digest().encode())
     return digest.hexdigest()[:24]
 
 
-def stored_shape(path: str, short_side: int) -> tuple[int, int]:
-    """(height, width) of the image once upright and resized, from its header alone."""
-    with open_image(path, short_side) as image:
+def stored_shape(samples: Samples, i: int, short_side: int) -> tuple[int, int]:
+    """(height, width) of entry ``i`` once upright and resized, from its header alone."""
+    with open_image(samples.keys[i], short_side, samples.source) as image:
         height, width = upright_size(image)
     return resized_size(height, width, short_side)
 
 
-class _Decode(Dataset):
-    """Item k: decode the k-th chunk of images and write each into its slot of the data
-    file; only (index, problem) pairs go back. Sending every decoded image back through
-    the loader's shared-memory queue cost more than decoding it: 3,000 images of
-    400x300 took 5.0 s with two workers, the same as one process alone."""
+def _shape_or_empty(samples: Samples, i: int, short: int) -> tuple[int, int]:
+    """A file whose header cannot be read gets no room; the build reports why."""
+    try:
+        return stored_shape(samples, i, short)
+    except IMAGE_ERRORS:
+        return (0, 0)
 
-    CHUNK = 16
 
-    def __init__(self, paths: list[str], ids: list[int], short_side: int, directory: Path):
-        self.paths, self.directory, self.short_side = paths, directory, short_side
-        self.chunks = [ids[k : k + self.CHUNK] for k in range(0, len(ids), self.CHUNK)]
-        self.resize = T.Resize(short_side, antialias=True)  # the eval transform's own
-        self.index = np.load(directory / "index.npy")
-        self._data: np.memmap | None = None  # opened in the process that writes
-
-    def __len__(self) -> int:
-        return len(self.chunks)
-
-    def __getitem__(self, k: int) -> list[tuple[int, str | None]]:
-        if self._data is None:
-            self._data = np.memmap(self.directory / "data.u8", dtype=np.uint8, mode="r+")
-        done = []
-        for i in self.chunks[k]:
-            image, problem = read_rgb(self.paths[i], self.short_side)
-            if image is not None:
-                pixels = np.asarray(self.resize(image), dtype=np.uint8)
-                offset, height, width = (int(v) for v in self.index[i])
-                if pixels.shape != (height, width, 3):
-                    problem = "changed while the cache was built"
-                else:
-                    self._data[offset : offset + pixels.size] = pixels.reshape(-1)
-            done.append((i, problem))
-        return done
+# ---------------------------------------------------------------------------- reading
 
 
 class DecodedCache:
-    def __init__(self, directory: Path, paths: Sequence[str] = ()):
+    """A built cache: ``image(row)`` gives an entry's pixels, ``slots(samples)`` the rows
+    of samples of the data set it was built from."""
+
+    def __init__(self, directory: Path, samples: Samples | None = None):
         self.directory = directory
-        self.index = np.load(directory / "index.npy")  # rows: offset, height, width
-        self.slots = {path: i for i, path in enumerate(paths)}  # where each file is stored
-        self._data: np.memmap | None = None  # opened lazily, once per loader process
+        self.manifest = json.loads((directory / MANIFEST).read_text())
+        self.kind: str = self.manifest["kind"]
+        self.parts: list[str] = [part["name"] for part in self.manifest["parts"]]
+        self.index = np.load(directory / "index.npy")  # rows: part, offset, bytes, height, width
+        self.ids = samples.ids if samples is not None else np.arange(len(self.index))
+        self._maps: dict[int, np.memmap] = {}  # opened lazily, once per loader process
+        self.check: CacheCheck | None = None  # the background checksum pass, where run
 
     @property
     def bad(self) -> list[tuple[str, str]]:
-        """(path, reason) of every file the build could not decode (not stored)."""
-        manifest = json.loads((self.directory / MANIFEST).read_text())
-        return [tuple(pair) for pair in manifest["bad"]]
+        """(key, reason) of every entry the build could not decode (not stored)."""
+        return [(str(key), str(why)) for key, why in self.manifest["bad"]]
 
     @property
     def nbytes(self) -> int:
-        """Bytes of decoded pixels the cache holds."""
-        return int((self.index[:, 1] * self.index[:, 2] * 3).sum())
+        """Bytes the cache's files hold."""
+        return int(sum(part["bytes"] for part in self.manifest["parts"]))
 
-    def image(self, i: int) -> torch.Tensor:
-        """The i-th stored image as a CHW uint8 tensor."""
-        if self._data is None:
-            self._data = np.memmap(self.directory / "data.u8", dtype=np.uint8, mode="r")
-        offset, height, width = (int(v) for v in self.index[i])
-        pixels = self._data[offset : offset + height * width * 3].reshape(height, width, 3)
-        return torch.from_numpy(np.array(pixels)).permute(2, 0, 1)
+    def slots(self, samples: Samples) -> np.ndarray:
+        """The row of each of ``samples`` (a subset of what the cache was built from)."""
+        order = np.argsort(self.ids, kind="stable")
+        found = np.searchsorted(self.ids[order], samples.ids)
+        rows = order[np.minimum(found, max(len(order) - 1, 0))]
+        if len(rows) and not np.array_equal(self.ids[rows], samples.ids):
+            raise KeyError("samples the cache was not built from")
+        return rows
 
-    def __getstate__(self) -> dict:  # loader workers open their own map
-        return {**self.__dict__, "_data": None}
+    def _part(self, number: int) -> np.memmap:
+        if number not in self._maps:
+            path = self.directory / self.parts[number]
+            self._maps[number] = np.memmap(path, dtype=np.uint8, mode="r")
+        return self._maps[number]
+
+    def image(self, row: int) -> torch.Tensor:
+        """The stored image of ``row`` as a CHW uint8 tensor."""
+        part, offset, nbytes, height, width = (int(v) for v in self.index[row])
+        stored = self._part(part)[offset : offset + nbytes]
+        if self.kind == PACKED:
+            pixels = jpeg.decode(stored.tobytes())
+        else:
+            pixels = np.array(stored).reshape(height, width, 3)
+        return torch.from_numpy(pixels).permute(2, 0, 1)
+
+    def stored(self, row: int) -> tuple[torch.Tensor, bool, tuple[int, int]]:
+        """``row`` as stored, for the device path: (CHW pixels, or a packed entry's JPEG
+        bytes for the device to decode; whether encoded; (height, width))."""
+        if self.kind != PACKED:
+            pixels = self.image(row)
+            return pixels, False, (pixels.shape[-2], pixels.shape[-1])
+        part, offset, nbytes, height, width = (int(v) for v in self.index[row])
+        raw = bytearray(self._part(part)[offset : offset + nbytes])
+        return torch.frombuffer(raw, dtype=torch.uint8), True, (height, width)
+
+    def start_check(self) -> None:
+        """Check every block's checksum in a thread of this process, from now on."""
+        self.check = CacheCheck(self.directory, self.manifest)
+        self.check.start()
+
+    def damage(self, wait: bool = False) -> str | None:
+        """What the background check found wrong so far (``wait``: once it has read
+        everything); None while nothing is."""
+        if self.check is None:
+            return None
+        if wait:
+            self.check.join()
+        return self.check.problem
+
+    def __getstate__(self) -> dict:  # loader workers open their own maps
+        return {**self.__dict__, "_maps": {}, "check": None}
 
 
-MANIFEST = "manifest.json"  # written last: a cache without a valid one is not a cache
-BLOCK = 64 * 2**20  # bytes a checksum covers
-_held_locks: dict[str, int] = {}  # cache key -> descriptor of its lock, while building
+class CacheCheck(threading.Thread):
+    """Reads every block of the cache's files once, in order, comparing its CRC-32 with
+    the manifest's (zlib releases the GIL while it sums, so training runs meanwhile);
+    ``problem`` names the first block that differs."""
+
+    def __init__(self, directory: Path, manifest: dict):
+        super().__init__(name="paratrain-cache-check", daemon=True)
+        self.directory, self.manifest = directory, manifest
+        self.problem: str | None = None
+        self.blocks_read = 0
+
+    def run(self) -> None:
+        for part in self.manifest["parts"]:
+            try:
+                with open(self.directory / part["name"], "rb") as handle:
+                    for block, expected in enumerate(part["blocks"]):
+                        if zlib.crc32(handle.read(BLOCK)) != expected:
+                            self.problem = (
+                                f"block {block} of {part['name']} (bytes {block * BLOCK:,} to "
+                                f"{(block + 1) * BLOCK:,}) differs from its checksum"
+                            )
+                            return
+                        self.blocks_read += 1
+            except OSError as exc:
+                self.problem = f"{part['name']} cannot be read ({exc.strerror or exc})"
+                return
 
 
-def _checksums(path: Path, size: int) -> list[int]:
+def agree_intact(cache: DecodedCache | None, wait: bool = False) -> None:
+    """Every rank together: stop, named, when a node's background check found its cache
+    damaged (after removing that cache's manifest, so the next start rebuilds it).
+    ``wait``: for the checks to finish first (at the end of training)."""
+    if cache is None:
+        return
+    mine = cache.damage(wait)
+    if mine is not None:
+        (cache.directory / MANIFEST).unlink(missing_ok=True)
+        mine = f"{cache.directory}: {mine}"
+    found = [problem for problem in comm.all_gather_object(mine) if problem]
+    if found:
+        raise AgreedUserError(
+            f"the decoded-image cache is damaged: {found[0]}; its manifest is removed, so "
+            "the next start builds it again (resume from the last checkpoint)"
+        )
+
+
+# ---------------------------------------------------------------------------- the manifest
+
+
+def _checksums(path: Path) -> list[int]:
     sums = []
     with open(path, "rb") as handle:
-        for _ in range(0, max(size, 1), BLOCK):
-            sums.append(zlib.crc32(handle.read(BLOCK)))
-    return sums
+        while True:
+            block = handle.read(BLOCK)
+            sums.append(zlib.crc32(block))
+            if len(block) < BLOCK:
+                return sums
 
 
-def _write_manifest(directory: Path, images: int, short: int, bad: list) -> None:
-    data = directory / "data.u8"
-    size = data.stat().st_size
+def _write_manifest(directory: Path, kind: str, images: int, short: int, bad: list) -> None:
+    index = directory / "index.npy"
+    part_names = [RAW_FILE] if kind == RAW else sorted(p.name for p in directory.glob("part-*"))
+    parts = [
+        {
+            "name": name,
+            "bytes": (directory / name).stat().st_size,
+            "blocks": _checksums(directory / name),
+        }
+        for name in part_names
+    ]
     manifest = {
         "format": CACHE_FORMAT,
+        "kind": kind,
         "images": images,
         "short_side": short,
-        "index_sha256": hashlib.sha256((directory / "index.npy").read_bytes()).hexdigest(),
-        "data_bytes": size,
+        "quality": jpeg.QUALITY if kind == PACKED else None,
+        "index_sha256": hashlib.sha256(index.read_bytes()).hexdigest(),
         "block_bytes": BLOCK,
-        "blocks": _checksums(data, size),
+        "parts": parts,
         "bad": bad,
     }
     tmp = directory / f".{MANIFEST}.tmp"
@@ -168,39 +271,187 @@ def _write_manifest(directory: Path, images: int, short: int, bad: list) -> None
     os.replace(tmp, directory / MANIFEST)
 
 
-def verify(directory: Path, images: int, short: int) -> str | None:
-    """None when ``directory`` is a whole cache of ``images`` images at ``short``; else
-    what is wrong with it (so the run can say why it builds again)."""
+RAW_FILE = "data.u8"
+
+
+def verify(directory: Path, images: int, short: int, kind: str = RAW) -> str | None:
+    """None when ``directory`` looks like a whole cache of ``images`` images at ``short``
+    by what is cheap to check (the manifest, the index's hash, every file's size); else
+    what is wrong with it (so the run can say why it builds again). The blocks'
+    checksums are checked while training runs (``DecodedCache.start_check``)."""
     try:
         manifest = json.loads((directory / MANIFEST).read_text())
     except FileNotFoundError:
-        return "it has no manifest (an interrupted build)"
+        return "it has no manifest (an interrupted build, or damage found before)"
     except (OSError, ValueError) as exc:
         return f"its manifest cannot be read ({type(exc).__name__})"
     if not isinstance(manifest, dict) or manifest.get("format") != CACHE_FORMAT:
         return "it is of another format"
-    if (manifest.get("images"), manifest.get("short_side")) != (images, short):
+    if (manifest.get("images"), manifest.get("short_side"), manifest.get("kind")) != (
+        images,
+        short,
+        kind,
+    ):
         return "it holds other images"
     try:
         index = (directory / "index.npy").read_bytes()
-        size = (directory / "data.u8").stat().st_size
+        sizes = {
+            part["name"]: (directory / part["name"]).stat().st_size for part in manifest["parts"]
+        }
     except OSError as exc:
         return f"a file of it is missing ({exc.strerror})"
     if hashlib.sha256(index).hexdigest() != manifest.get("index_sha256"):
         return "its index differs from its manifest"
-    if size != manifest.get("data_bytes"):
-        return f"its data file has {size} bytes, its manifest says {manifest.get('data_bytes')}"
-    found = _checksums(directory / "data.u8", size)
-    for block, (mine, expected) in enumerate(zip(found, manifest.get("blocks", []), strict=False)):
-        if mine != expected:
-            return f"block {block} of its data differs from its checksum"
-    if len(found) != len(manifest.get("blocks", [])):
-        return "its checksums do not cover its data"
+    for part in manifest["parts"]:
+        if sizes[part["name"]] != part["bytes"]:
+            return (
+                f"its file {part['name']} has {sizes[part['name']]} bytes, its manifest says "
+                f"{part['bytes']}"
+            )
+        if len(part["blocks"]) != part["bytes"] // BLOCK + 1:
+            return "its checksums do not cover its data"
     return None
 
 
+# ---------------------------------------------------------------------------- planning
+
+
+@dataclass
+class CachePlan:
+    """What the cache of a data set would do: be read ("ready"), be built ("build"), or
+    be left out ("skip", with the reason); ``kind``: raw or packed."""
+
+    action: str
+    directory: Path | None
+    nbytes: int
+    reason: str = ""
+    shapes: np.ndarray | None = None  # (height, width) of every image, for a raw build
+    kind: str = RAW
+
+
+def _base(root: str | None) -> Path:
+    return (Path(root) if root else default_cache_dir()) / "decoded"
+
+
+def survey(
+    samples: Samples | Sequence[tuple[str, int]],
+    image_size: int,
+    mode: str,
+    max_gb: float,
+    root: str | None,
+    short: int | None = None,
+    free: int | None = None,
+) -> CachePlan:
+    """The plan for ``samples`` without writing anything; ``short``: the short side
+    stored (default: what evaluation at ``image_size`` needs); ``free``: bytes the
+    cache folder's disk has (auto mode takes packed JPEG only where they fit)."""
+    samples = as_samples(samples)
+    short = short or eval_resize(image_size)
+    base = _base(root)
+    if mode == "off":
+        return CachePlan("skip", None, 0, "--cache off")
+    wanted = kind_of(mode)
+    for kind in [wanted] if wanted else [RAW, PACKED]:
+        directory = base / cache_key(samples, short, kind)
+        if (directory / MANIFEST).exists() and verify(directory, len(samples), short, kind) is None:
+            return CachePlan("ready", directory, DecodedCache(directory).nbytes, kind=kind)
+    raw_bytes, exact = _raw_size(samples, short)
+    budget = max_gb * 2**30
+    if free is None:
+        free = shutil.disk_usage(_existing(base)).free
+    if wanted == RAW or (wanted is None and raw_bytes <= budget):
+        shapes = exact if exact is not None else _shapes(samples, short)
+        nbytes = int((shapes[:, 0] * shapes[:, 1] * 3).sum())
+        if wanted is None and nbytes > budget:  # the estimate was under, the count is over
+            return _packed_plan(samples, short, base, nbytes, budget, free, wanted)
+        reason = (
+            ""
+            if wanted
+            else (f"raw pixels, {nbytes / 2**30:.2f} GB (within --cache-max-gb {max_gb:g})")
+        )
+        return CachePlan("build", base / cache_key(samples, short, RAW), nbytes, reason, shapes)
+    return _packed_plan(samples, short, base, raw_bytes, budget, free, wanted)
+
+
+def _existing(path: Path) -> Path:
+    """``path``, or its nearest parent that exists (to ask its disk for free space)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _packed_plan(
+    samples: Samples, short: int, base: Path, raw_bytes: int, budget: float, free: int, wanted
+) -> CachePlan:
+    packed = _packed_size(samples, short, raw_bytes)
+    directory = base / cache_key(samples, short, PACKED)
+    if wanted is None:
+        over = f"raw pixels would take {raw_bytes / 2**30:.1f} GB, over --cache-max-gb {budget / 2**30:g}"
+        if packed * 1.1 > free:
+            reason = f"{over}, and packed JPEG about {packed / 2**30:.1f} GB, more than the {free / 2**30:.1f} GB free"
+            return CachePlan(
+                "skip", directory, packed, reason + "; decoding every epoch", kind=PACKED
+            )
+        reason = f"packed JPEG, about {packed / 2**30:.1f} GB on disk ({over})"
+        return CachePlan("build", directory, packed, reason, kind=PACKED)
+    return CachePlan("build", directory, packed, "", kind=PACKED)
+
+
+def _sample_rows(n: int) -> np.ndarray:
+    """Up to SIZING_SAMPLE entries spread evenly (all of them when fewer)."""
+    if n <= SIZING_SAMPLE:
+        return np.arange(n)
+    return np.unique(np.linspace(0, n - 1, SIZING_SAMPLE).astype(np.int64))
+
+
+def _shapes(samples: Samples, short: int, rows: np.ndarray | None = None) -> np.ndarray:
+    rows = np.arange(len(samples)) if rows is None else rows
+    bar = tqdm(
+        rows.tolist(),
+        desc="sizing image cache",
+        unit="img",
+        delay=1.0,
+        leave=False,
+        disable=not sys.stderr.isatty(),
+    )
+    return np.array([_shape_or_empty(samples, i, short) for i in bar], np.int64).reshape(-1, 2)
+
+
+def _raw_size(samples: Samples, short: int) -> tuple[int, np.ndarray | None]:
+    """Bytes of raw pixels, counted (with every shape) for small sets, else estimated
+    from the headers of SIZING_SAMPLE entries."""
+    rows = _sample_rows(len(samples))
+    shapes = _shapes(samples, short, rows)
+    total = int((shapes[:, 0] * shapes[:, 1] * 3).sum())
+    if len(rows) == len(samples):
+        return total, shapes
+    return int(total * len(samples) / max(len(rows), 1)), None
+
+
+def _packed_size(samples: Samples, short: int, raw_bytes: int, tries: int = 16) -> int:
+    """Bytes the packed cache will take: raw bytes times the JPEG ratio of a few entries."""
+    raw = packed = 0
+    for i in _sample_rows(len(samples))[:: max(1, min(len(samples), SIZING_SAMPLE) // tries)]:
+        pixels, _ = _resized(samples, int(i), short)
+        if pixels is not None:
+            raw += pixels.size
+            packed += len(jpeg.encode(pixels))
+    return int(raw_bytes * packed / raw) if raw else raw_bytes
+
+
+def _resized(samples: Samples, i: int, short: int) -> tuple[np.ndarray | None, str | None]:
+    image, problem = read_rgb(samples.keys[i], short, samples.source)
+    if image is None:
+        return None, problem
+    resize = T.Resize(short, antialias=True)  # the eval transform's own
+    return np.asarray(resize(image), dtype=np.uint8), None
+
+
+# ---------------------------------------------------------------------------- building
+
+
 def prepare(
-    samples: Sequence[Sample],
+    samples: Samples | Sequence[tuple[str, int]],
     image_size: int,
     mode: str,
     max_gb: float,
@@ -208,6 +459,7 @@ def prepare(
     workers: int,
     env: DistEnv | None = None,
     short: int | None = None,
+    check: bool = True,
 ) -> DecodedCache | None:
     """Open, or build, the cache of ``samples`` on every node of the job; None when off.
 
@@ -215,14 +467,16 @@ def prepare(
     epochs), whether or not the nodes share a file system: the local rank 0 of each
     node plans for its node. A builder takes a file lock, so runs and nodes that share
     the folder build once while the others wait and reuse it; it writes into a
-    temporary folder, then the manifest (format, shapes, a checksum for each block),
-    then renames the folder into place. A cache that fails its manifest is rebuilt, and
-    the run says why. The cache is used on every node or on none.
+    temporary folder, then the manifest, then renames the folder into place. A cache
+    that fails its cheap checks is rebuilt, and the run says why; ``check``: the node's
+    first rank checks the blocks' checksums in the background. The cache is used on
+    every node or on none.
 
     Building decodes every image, so it is also the screen for unreadable files: they
     are listed in ``cache.bad`` (kept in the manifest, so a ready cache needs no screen)."""
     if mode == "off":
         return None
+    samples = as_samples(samples)
     env = env or DistEnv(
         rank=comm.rank(),
         world_size=comm.world_size(),
@@ -231,198 +485,244 @@ def prepare(
     )
     told = False
     short = short or eval_resize(image_size)
-    base = (Path(root) if root else default_cache_dir()) / "decoded"
-    key = cache_key(samples, short)
-    final = base / key
+    base = _base(root)
     while True:
         mine = None
         if env.local_rank == 0:
-            mine = _plan_node(samples, short, mode, max_gb, base, key)
+            mine = _plan_node(samples, short, mode, max_gb, base)
         plans = {n: plan for n, plan in comm.all_gather_object((env.node_rank, mine)) if plan}
-        for action, _, reason in plans.values():
+        for action, _, _, reason in plans.values():
             if action == "error":
                 raise AgreedUserError(reason)
-        skipped = [reason for action, _, reason in plans.values() if action == "skip"]
+        skipped = [reason for action, _, _, reason in plans.values() if action == "skip"]
         if skipped:
             get_logger().info(f"decoded-image cache off: {skipped[0]}")
             return None
-        if all(action == "ready" for action, _, _ in plans.values()):
-            return DecodedCache(final, [p for p, _ in samples])
-        action, directory, reason = plans[env.node_rank]
+        if all(action == "ready" for action, _, _, _ in plans.values()):
+            directory = Path(plans[env.node_rank][2])
+            cache = DecodedCache(directory, samples)
+            if check and env.local_rank == 0:
+                cache.start_check()
+            return cache
+        action, kind, directory, reason = plans[env.node_rank]
         if action == "build" and env.local_rank == 0 and reason:
-            get_logger().warning(f"decoded-image cache {final}: {reason}; building it again")
+            damaged = reason.startswith("it failed")
+            say = get_logger().warning if damaged else get_logger().info
+            say(f"decoded-image cache in {Path(directory).parent}: {reason}")
         if action == "wait" and env.local_rank == 0:
             if not told:
                 get_logger().info(f"{reason}; waiting for it")
                 told = True
-            if not any(a == "build" for a, _, _ in plans.values()):
+            if not any(a == "build" for a, _, _, _ in plans.values()):
                 time.sleep(1.0)  # another run builds it: look again in a moment
         building = action == "build"
         bad = []
         if building:
-            bad = _build(samples, short, Path(directory), workers, env)
+            bad = _build(samples, short, kind, Path(directory), workers, env)
         bad = sorted({tuple(pair) for part in comm.all_gather_object(bad) for pair in part})
         if building and env.local_rank == 0:
-            _finish(Path(directory), final, key, len(samples), short, bad)
+            final = base / cache_key(samples, short, kind)
+            _finish(Path(directory), final, kind, len(samples), short, bad)
         comm.barrier()
 
 
-def _plan_node(samples, short: int, mode, max_gb, base: Path, key: str) -> tuple[str, str, str]:
-    """(action, folder, why) for this node: "ready" (a valid cache), "build" (into a
-    temporary folder, this process holding the lock), "wait" (another process held the
+def _plan_node(samples: Samples, short: int, mode: str, max_gb: float, base: Path) -> tuple:
+    """(action, kind, folder, why) for this node: "ready" (a valid cache), "build" (into
+    a temporary folder, this process holding the lock), "wait" (another process held the
     lock: it has finished; look again), "skip" or "error" (why)."""
-    final = base / key
-    problem = verify(final, len(samples), short) if final.exists() else None
-    if final.exists() and problem is None:
-        return "ready", str(final), ""
-    refused = "error" if mode == "on" else "skip"
+    refused = "error" if mode != "auto" else "skip"
+    wanted = kind_of(mode)
+    problems = {}
+    for kind in [wanted] if wanted else [RAW, PACKED]:
+        final = base / cache_key(samples, short, kind)
+        if final.exists():
+            problems[kind] = verify(final, len(samples), short, kind)
+            if problems[kind] is None:
+                return "ready", kind, str(final), ""
     try:
         base.mkdir(parents=True, exist_ok=True)
-        handle = os.open(base / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        lock = base / f"{hashlib.sha256(samples.digest().encode()).hexdigest()[:24]}-{short}.lock"
+        handle = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:
         where = f"cannot write to {base} ({exc.strerror or exc})"
-        if mode == "on":
-            return "error", "", f"--cache on: {where}"
-        return "skip", "", f"{where}; decoding every epoch"
+        if refused == "error":
+            return "error", "", "", f"--cache {mode}: {where}"
+        return "skip", "", "", f"{where}; decoding every epoch"
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:  # never block here: the holder may be a node of this job
         os.close(handle)
-        return "wait", "", f"another process is building the decoded-image cache {final}"
-    problem = verify(final, len(samples), short) if final.exists() else None
-    if final.exists() and problem is None:  # finished while we looked
-        os.close(handle)
-        return "ready", str(final), ""
-    plan = survey(samples, 0, mode, max_gb, str(base.parent), short=short)
+        return "wait", "", "", f"another process is building the decoded-image cache in {base}"
+    for kind in [wanted] if wanted else [RAW, PACKED]:
+        final = base / cache_key(samples, short, kind)
+        if final.exists() and verify(final, len(samples), short, kind) is None:
+            os.close(handle)  # finished while we looked
+            return "ready", kind, str(final), ""
+    free = shutil.disk_usage(base).free
+    plan = survey(samples, 0, mode, max_gb, str(base.parent), short=short, free=free)
     if plan.action == "skip":
         os.close(handle)
-        return "skip", "", plan.reason
-    free = shutil.disk_usage(base).free
+        return "skip", "", "", plan.reason
     if free < plan.nbytes + 64 * 2**20:
         os.close(handle)
         where = (
-            f"the decoded images need {plan.nbytes / 2**30:.2f} GB and {base} has "
+            f"the {plan.kind} cache needs {plan.nbytes / 2**30:.2f} GB and {base} has "
             f"{free / 2**30:.2f} GB free"
         )
-        return refused, "", f"--cache on: {where}" if mode == "on" else f"{where}"
-    assert plan.shapes is not None  # a plan to build has every image's shape
+        return refused, "", "", f"--cache {mode}: {where}" if refused == "error" else where
+    assert plan.directory is not None
+    key = plan.directory.name
     tmp = base / f".{key}.tmp-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    sizes = plan.shapes[:, 0] * plan.shapes[:, 1] * 3
-    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    np.save(tmp / "index.npy", np.column_stack([offsets, plan.shapes]))
-    with open(tmp / "data.u8", "wb") as data:
-        data.truncate(max(plan.nbytes, 1))
+    if plan.kind == RAW:
+        assert plan.shapes is not None  # a raw build has every image's shape
+        sizes = plan.shapes[:, 0] * plan.shapes[:, 1] * 3
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        rows = np.column_stack([np.zeros_like(offsets), offsets, sizes, plan.shapes])
+        np.save(tmp / "index.npy", rows.astype(np.int64))
+        try:
+            reserve(tmp / RAW_FILE, max(plan.nbytes, 1))
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.close(handle)
+            where = f"cannot reserve {plan.nbytes / 2**30:.2f} GB in {base} ({exc.strerror or exc})"
+            return refused, "", "", f"--cache {mode}: {where}" if refused == "error" else where
     _held_locks[key] = handle
-    return "build", str(tmp), (f"it failed its check: {problem}" if problem else "")
+    reason = plan.reason
+    if problems.get(plan.kind):
+        reason = f"it failed its check: {problems[plan.kind]}; building it again"
+    return "build", plan.kind, str(tmp), reason
 
 
-def _finish(tmp: Path, final: Path, key: str, images: int, short: int, bad: list) -> None:
-    """The node's builder: the data on disk, the manifest last, the folder renamed into
-    place (an invalid old one out of the way first), the lock let go."""
-    fsync(tmp / "data.u8")  # every process's writes reach the disk before the manifest
-    _write_manifest(tmp, images, short, [list(pair) for pair in bad])
-    swap_in(tmp, final)  # an invalid old one out of the way first
-    handle = _held_locks.pop(key, None)
+def reserve(path: Path, nbytes: int) -> None:
+    """A file of ``nbytes`` with its disk blocks allocated now, so a full disk is an error
+    here rather than a crash (SIGBUS) when a memory-mapped write finds no room later;
+    where the file system cannot allocate ahead, a sparse file."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as exc:
+            if exc.errno not in (95, 22):  # EOPNOTSUPP, EINVAL: not supported here
+                raise
+            os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
+def _finish(tmp: Path, final: Path, kind: str, images: int, short: int, bad: list) -> None:
+    """The node's builder: the index whole, the data on disk, the manifest last, the
+    folder renamed into place (an invalid old one out of the way first), the lock let go."""
+    if kind == PACKED:
+        index = np.zeros((images, 5), np.int64)
+        for found in sorted(tmp.glob("rows-*.npy")):
+            rows = np.load(found)
+            index[rows[:, 0]] = rows[:, 1:]
+            found.unlink()
+        np.save(tmp / "index.npy", index)
+    for part in tmp.glob("part-*") if kind == PACKED else [tmp / RAW_FILE]:
+        fsync(part)  # every process's writes reach the disk before the manifest
+    _write_manifest(tmp, kind, images, short, [list(pair) for pair in bad])
+    swap_in(tmp, final)
+    handle = _held_locks.pop(final.name, None)
     if handle is not None:
         fcntl.flock(handle, fcntl.LOCK_UN)
         os.close(handle)
 
 
-def _build(samples, short: int, directory: Path, workers: int, env: DistEnv) -> list:
-    """This rank's share of its node's build: every local_world-th image from its local
-    rank on, written straight into the data file. Returns (path, why) of the unreadable."""
+class _Decode(Dataset):
+    """Item k: decode the k-th chunk of entries; raw: write each into its slot of the data
+    file, and only (index, problem) pairs go back (sending every decoded image back through
+    the loader's shared-memory queue cost more than decoding it: 3,000 images of 400x300
+    took 5.0 s with two workers, the same as one process alone); packed: each comes back
+    as its small JPEG's bytes, which the rank appends to its part file."""
+
+    CHUNK = 16
+
+    def __init__(self, samples: Samples, ids: list[int], short: int, directory: Path, kind: str):
+        self.samples, self.directory, self.short, self.kind = samples, directory, short, kind
+        self.chunks = [ids[k : k + self.CHUNK] for k in range(0, len(ids), self.CHUNK)]
+        self.index = np.load(directory / "index.npy") if kind == RAW else None
+        self._data: np.memmap | None = None  # opened in the process that writes
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def __getitem__(self, k: int) -> list[tuple[int, str | None, tuple | None]]:
+        done = []
+        for i in self.chunks[k]:
+            pixels, problem = _resized(self.samples, i, self.short)
+            stored = None
+            if pixels is not None and self.kind == PACKED:
+                stored = (pixels.shape[0], pixels.shape[1], jpeg.encode(pixels))
+            elif pixels is not None:
+                assert self.index is not None
+                if self._data is None:
+                    self._data = np.memmap(self.directory / RAW_FILE, dtype=np.uint8, mode="r+")
+                _, offset, nbytes, height, width = (int(v) for v in self.index[i])
+                if pixels.shape != (height, width, 3):
+                    problem = "changed while the cache was built"
+                else:
+                    self._data[offset : offset + nbytes] = pixels.reshape(-1)
+            done.append((i, problem, stored))
+        return done
+
+
+def _build(
+    samples: Samples, short: int, kind: str, directory: Path, workers: int, env: DistEnv
+) -> list:
+    """This rank's share of its node's build: every local_world-th entry from its local
+    rank on. Returns (key, why) of the unreadable."""
     local_rank, local_world = env.local_rank, env.local_world_size
-    paths = [p for p, _ in samples]
-    decode = _Decode(paths, list(range(local_rank, len(paths), local_world)), short, directory)
-    loader = DataLoader(decode, batch_size=None, num_workers=workers)
-    bad = []
+    mine = list(range(local_rank, len(samples), local_world))
+    loader = DataLoader(
+        _Decode(samples, mine, short, directory, kind), batch_size=None, num_workers=workers
+    )
+    bad, rows = [], []
+    out = open(directory / f"part-{local_rank:03d}.jpg", "wb") if kind == PACKED else None
+    offset = 0
     with tqdm(
-        total=len(paths),
+        total=len(samples),
         desc="building image cache",
         unit="img",
         delay=1.0,
         disable=local_rank != 0 or not sys.stderr.isatty(),
         leave=False,
     ) as bar:
-        for done in loader:
-            bad += [(paths[i], problem) for i, problem in done if problem]
-            bar.update(local_world * len(done))
+        try:
+            for done in loader:
+                for i, problem, stored in done:
+                    if problem:
+                        bad.append((samples.keys[i], problem))
+                    elif stored is not None and out is not None:
+                        height, width, encoded = stored
+                        out.write(encoded)
+                        rows.append((i, local_rank, offset, len(encoded), height, width))
+                        offset += len(encoded)
+                bar.update(local_world * len(done))
+        finally:
+            if out is not None:
+                out.close()
+    if kind == PACKED:
+        np.save(directory / f"rows-{local_rank:03d}.npy", np.array(rows, np.int64).reshape(-1, 6))
     return bad
 
 
-def _stored_shape_or_empty(path: str, short: int) -> tuple[int, int]:
-    """A file whose header cannot be read gets no room; the build reports why."""
-    try:
-        return stored_shape(path, short)
-    except IMAGE_ERRORS:
-        return (0, 0)
-
-
-@dataclass
-class CachePlan:
-    """What the cache of a data set would do: be read ("ready"), be built ("build"), or
-    be left out ("skip", with the reason)."""
-
-    action: str
-    directory: Path | None
-    nbytes: int
-    reason: str = ""
-    shapes: np.ndarray | None = None  # (height, width) of every image, when built
-
-
-def survey(
-    samples: Sequence[Sample],
-    image_size: int,
-    mode: str,
-    max_gb: float,
-    root: str | None,
-    short: int | None = None,
-) -> CachePlan:
-    """The plan for ``samples`` without writing anything (reads each file's header);
-    ``short``: the short side stored (default: what evaluation at ``image_size`` needs)."""
-    short = short or eval_resize(image_size)
-    base = (Path(root) if root else default_cache_dir()) / "decoded"
-    if mode == "off":
-        return CachePlan("skip", None, 0, "--cache off")
-    directory = base / cache_key(samples, short)
-    if (directory / MANIFEST).exists() and verify(directory, len(samples), short) is None:
-        return CachePlan("ready", directory, DecodedCache(directory).nbytes)
-    shapes = np.array(
-        [
-            _stored_shape_or_empty(p, short)
-            for p, _ in tqdm(
-                samples,
-                desc="sizing image cache",
-                unit="img",
-                delay=1.0,
-                leave=False,
-                disable=not sys.stderr.isatty(),
-            )
-        ],
-        dtype=np.int64,
-    ).reshape(-1, 2)
-    total = int((shapes[:, 0] * shapes[:, 1] * 3).sum())
-    if mode == "auto" and total > max_gb * 2**30:
-        reason = f"the decoded images need {total / 2**30:.1f} GB, over --cache-max-gb {max_gb:g}"
-        return CachePlan("skip", directory, total, reason)
-    return CachePlan("build", directory, total, shapes=shapes)
+# ---------------------------------------------------------------------------- datasets
 
 
 class CachedImages(AugmentedSamples):
-    """Samples read from the cache, each from the slot its file was stored in."""
+    """Samples read from the cache, each from the row its entry was stored in."""
 
-    def __init__(
-        self, samples: Sequence[Sample], cache: DecodedCache, transform: Callable | None = None
-    ):
+    def __init__(self, samples, cache: DecodedCache, transform: Callable | None = None):
         super().__init__(samples, transform)
         self.cache = cache
-        self.slots = [cache.slots[path] for path, _ in samples]
+        self.rows = cache.slots(self.samples)
 
     def load(self, index: int) -> torch.Tensor:
         """The sample's pixels from the cache instead of its file."""
-        return self.cache.image(self.slots[index])
+        return self.cache.image(int(self.rows[index]))
 
 
 def _to_float(image: torch.Tensor) -> torch.Tensor:

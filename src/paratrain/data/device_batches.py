@@ -14,11 +14,14 @@ import io
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image
 
 from paratrain.data.folder import ImageSamples, Sample, load_rgb, seeded, upright_size
+from paratrain.data.samples import Samples
 from paratrain.data.transforms import TrainAugment, policy_seed, to_chw
 
 JPEG_MAGIC = b"\xff\xd8\xff"
@@ -70,29 +73,29 @@ class DeviceAugmented(ImageSamples):
     """Training samples read as stored, for a DeviceBatch: from the decoded cache (its
     uint8 pixels), or from their files (a JPEG's bytes; other formats decoded here)."""
 
-    def __init__(self, samples: Sequence[Sample], transform: TrainAugment, cache=None):
+    def __init__(self, samples: Samples | Sequence[Sample], transform: TrainAugment, cache=None):
         super().__init__(samples, transform)
         self.augment = transform
         self.cache = cache
-        self.slots = [cache.slots[path] for path, _ in samples] if cache is not None else []
+        self.rows = cache.slots(self.samples) if cache is not None else np.zeros(0, np.int64)
 
     def _stored(self, index: int) -> tuple[torch.Tensor, bool, tuple[int, int]]:
         """(image as stored, whether it is JPEG bytes, (height, width) once upright)."""
         if self.cache is not None:
-            pixels = self.cache.image(self.slots[index])
-            return pixels, False, (pixels.shape[-2], pixels.shape[-1])
-        path = self.samples[index][0]
-        with open(path, "rb") as handle:
-            raw = handle.read()
+            return self.cache.stored(int(self.rows[index]))
+        key = self.samples.keys[index]
+        raw = self.source.read(key) if self.source is not None else Path(key).read_bytes()
         if raw.startswith(JPEG_MAGIC):
             with Image.open(io.BytesIO(raw)) as header:  # the header only: no decoding
                 height, width = upright_size(header)
             return torch.frombuffer(bytearray(raw), dtype=torch.uint8), True, (height, width)
-        pixels = to_chw(load_rgb(path)).contiguous()
+        pixels = to_chw(load_rgb(key, None, self.source)).contiguous()
         return pixels, False, (pixels.shape[-2], pixels.shape[-1])
 
     def __getitems__(self, keys: list) -> tuple[DeviceBatch, torch.Tensor]:
-        labels = torch.tensor([self.samples[index][1] for index, _ in keys])
+        labels = torch.from_numpy(
+            self.samples.labels[[index for index, _ in keys]].astype(np.int64)
+        )
         images: list[torch.Tensor] = []
         encoded: list[bool] = []
         boxes: list[tuple[int, int, int, int]] = []
@@ -131,18 +134,23 @@ def faster_on_device(cpu_seconds: float, device_seconds: float, workers: int) ->
     return device_seconds * max(workers, 1) < cpu_seconds
 
 
-def decode_faster_on_device(paths: Sequence[str], device: torch.device, workers: int) -> bool:
+def decode_faster_on_device(samples: Samples, device: torch.device, workers: int) -> bool:
     """Time both decoders on a few of the training JPEGs (after one warm-up each)."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
-    sample = [p for p in paths[:64] if open(p, "rb").read(3) == JPEG_MAGIC][:16]
-    if device.type != "cuda" or len(sample) < 4:
+    if device.type != "cuda":
         return False
-    raw = [torch.frombuffer(bytearray(open(p, "rb").read()), dtype=torch.uint8) for p in sample]
-    load_rgb(sample[0])
+    source = samples.source
+    first = [samples.keys[i] for i in range(min(64, len(samples)))]
+    read = {key: source.read(key) if source else Path(key).read_bytes() for key in first}
+    sample = [key for key in first if read[key].startswith(JPEG_MAGIC)][:16]
+    if len(sample) < 4:
+        return False
+    raw = [torch.frombuffer(bytearray(read[key]), dtype=torch.uint8) for key in sample]
+    load_rgb(sample[0], None, source)
     start = time.perf_counter()
-    for path in sample:
-        load_rgb(path)
+    for key in sample:
+        load_rgb(key, None, source)
     cpu = (time.perf_counter() - start) / len(sample)
     decode_jpeg(raw[:2], device=device, mode=ImageReadMode.RGB)
     torch.cuda.synchronize(device)

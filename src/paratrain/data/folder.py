@@ -1,30 +1,35 @@
-"""Scan and validate an image folder, split it into train/val, hold the class index.
+"""A source's entries split into train and val; images read and validated.
 
-Two layouts are accepted:
+The split is the same on every rank and every run:
 
-* ``DIR/<class>/*.jpg``: split deterministically, the same fraction of every class to
-  validation, with a fixed seed (the same split on every rank and every run);
-* ``DIR/train/<class>`` and ``DIR/val/<class>``: used as given; both need the same classes.
+* where the source gives it (``DIR/train`` and ``DIR/val``; a dataset's splits;
+  validation shards), as given;
+* a folder ``DIR/<class>/*`` or a dataset without a validation split: the same fraction
+  of every class to validation, drawn with a fixed seed per class;
+* WebDataset shards without validation shards: each sample by a hash of its key and
+  the seed (no node has to list the others' shards to know which side a sample is on).
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
 import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 from torch.utils.data import Dataset
 
+from paratrain.data.samples import Samples
+from paratrain.data.sources import Listing, Source, open_source
 from paratrain.errors import UserError
-
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 Sample = tuple[str, int]
 
@@ -32,120 +37,77 @@ Sample = tuple[str, int]
 @dataclass(frozen=True)
 class DataSplit:
     classes: list[str]
-    train: list[Sample]
-    val: list[Sample]
-    layout: str  # "split" (one folder, split here) or "given" (train/ and val/)
-    root: str
+    train: Samples
+    val: Samples
+    layout: str  # "split" (split here) or "given" (by the source)
+    root: str  # what --data said
     ignored: int = 0  # files without an image extension, left out
+    missing: list[tuple[str, str]] = field(default_factory=list)  # unreadable at listing
+
+    @property
+    def source(self) -> Source | None:
+        return self.train.source
 
     def class_index(self) -> dict[str, str]:
         """index -> class name, as written to class_indices.json."""
         return {str(i): name for i, name in enumerate(self.classes)}
 
 
-def _is_image(name: str) -> bool:
-    return name.lower().endswith(IMAGE_EXTENSIONS)
+def build_split(
+    data: str | Path | Source,
+    val_fraction: float = 0.2,
+    seed: int = 0,
+    node: int = 0,
+    nodes: int = 1,
+) -> DataSplit:
+    """The classes and the train/val samples of ``data`` (a folder, ``hf:NAME``,
+    ``wds:PATTERN``, or a Source); a sharded source lists only this ``node``'s shards."""
+    source = data if isinstance(data, Source) else open_source(str(data))
+    listing = source.listing(node, nodes)
+    return split_listing(listing, source, val_fraction, seed)
 
 
-def scan_classes(root: Path, ignored: list[str] | None = None) -> dict[str, list[str]]:
-    """Map each class folder under ``root`` to its sorted image paths; files without an
-    image extension go to ``ignored``."""
-    if not root.exists():
-        raise UserError(f"data directory does not exist: {root}")
-    if not root.is_dir():
-        raise UserError(f"data path is not a directory: {root}")
-    entries = sorted(os.scandir(root), key=lambda e: e.name)
-    class_dirs = [e for e in entries if e.is_dir() and not e.name.startswith(".")]
-    if not class_dirs:
-        if not entries:
-            raise UserError(f"data directory is empty: {root}")
-        raise UserError(f"no class folders in {root} (expected {root}/<class>/<image>)")
-    classes: dict[str, list[str]] = {}
-    for entry in class_dirs:
-        files = [
-            os.path.join(dirpath, f)
-            for dirpath, _, names in os.walk(entry.path, followlinks=True)
-            for f in names
-            if not f.startswith(".")
-        ]
-        images = sorted(f for f in files if _is_image(f))
-        if ignored is not None:
-            ignored.extend(f for f in files if not _is_image(f))
-        if not images:
-            raise UserError(f"class folder has no images: {entry.path}")
-        classes[entry.name] = images
-    if len(classes) < 2:
-        raise UserError(
-            f"{root} holds one class folder ({next(iter(classes))}); a classifier needs at "
-            f"least 2 ({root}/<class>/<image>, one folder per class)"
-        )
-    return classes
-
-
-def _is_given_split(root: Path) -> bool:
-    return (root / "train").is_dir() and (root / "val").is_dir()
-
-
-def build_split(data_dir: str | Path, val_fraction: float = 0.2, seed: int = 0) -> DataSplit:
-    """The classes and the train/val samples of a folder, in either layout; the same on every rank and every run (a fixed seed per class)."""
-    root = Path(data_dir).expanduser()
-    ignored: list[str] = []
-    if _is_given_split(root):
-        train = scan_classes(root / "train", ignored)
-        val = scan_classes(root / "val", ignored)
-        if set(train) != set(val):
-            only_train = sorted(set(train) - set(val))
-            only_val = sorted(set(val) - set(train))
-            raise UserError(
-                f"train/val class folders differ in {root}: "
-                f"only in train: {only_train or 'none'}; only in val: {only_val or 'none'}"
-            )
-        classes = sorted(train)
-        return DataSplit(
-            classes=classes,
-            train=_label(train, classes),
-            val=_label(val, classes),
-            layout="given",
-            root=str(root),
-            ignored=len(ignored),
-        )
-    by_class = scan_classes(root, ignored)
-    classes = sorted(by_class)
-    training: list[Sample] = []
-    validation: list[Sample] = []
-    for index, name in enumerate(classes):
-        paths = by_class[name]
-        if len(paths) < 2:
-            raise UserError(
-                f"class folder {root / name} has {len(paths)} image; at least 2 are needed "
-                f"to split it into train and val"
-            )
-        train_paths, val_paths = split_class(paths, val_fraction, seed + index)
-        training += [(p, index) for p in train_paths]
-        validation += [(p, index) for p in val_paths]
+def split_listing(listing: Listing, source: Source, val_fraction: float, seed: int) -> DataSplit:
+    """Train and val of a listing: as the source gives them, by a hash of the key for a
+    sharded source, else the same fraction of each class, seeded."""
+    samples = listing.samples
+    if listing.sides is not None:
+        is_val = listing.sides == 1
+    elif source.sharded:
+        is_val = np.array([_hashed_side(key, seed, val_fraction) for key in samples.keys])
+    else:
+        is_val = np.zeros(len(samples), dtype=bool)
+        for index, name in enumerate(listing.classes):
+            members = np.flatnonzero(samples.labels == index)
+            if len(members) < 2:
+                raise UserError(
+                    f"class {name!r} of {source.name} has {len(members)} image; at least 2 are "
+                    "needed to split it into train and val"
+                )
+            is_val[members[split_class(len(members), val_fraction, seed + index)]] = True
     return DataSplit(
-        classes=classes,
-        train=training,
-        val=validation,
-        layout="split",
-        root=str(root),
-        ignored=len(ignored),
+        classes=listing.classes,
+        train=samples.where(~is_val),
+        val=samples.where(is_val),
+        layout=listing.layout,
+        root=source.name,
+        ignored=listing.ignored,
+        missing=listing.missing,
     )
 
 
-def split_class(paths: Sequence[str], val_fraction: float, seed: int) -> tuple[list, list]:
-    """Deterministic per-class split: at least one image on each side."""
-    n = len(paths)
+def split_class(n: int, val_fraction: float, seed: int) -> np.ndarray:
+    """Which of a class's ``n`` images (in their listed order) go to validation: at least
+    one on each side, drawn with ``seed``."""
     n_val = min(max(1, round(n * val_fraction)), n - 1)
     order = np.random.default_rng(seed).permutation(n)
-    val_ids = set(order[:n_val].tolist())
-    train = [p for i, p in enumerate(paths) if i not in val_ids]
-    val = [p for i, p in enumerate(paths) if i in val_ids]
-    return train, val
+    return np.sort(order[:n_val])
 
 
-def _label(by_class: dict[str, list[str]], classes: list[str]) -> list[Sample]:
-    return [(p, i) for i, name in enumerate(classes) for p in by_class[name]]
+def _hashed_side(key: str, seed: int, val_fraction: float) -> bool:
+    """A sample's side from its key alone: validation for a ``val_fraction`` of keys."""
+    digest = hashlib.blake2b(f"{seed}\0{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64 < val_fraction
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
@@ -196,47 +158,67 @@ def upright_size(image: Image.Image) -> tuple[int, int]:
     return height, width
 
 
-def open_image(path: str, at_least: int | None = None) -> Image.Image:
+def open_image(path: str, at_least: int | None = None, source: Source | None = None) -> Image.Image:
     """``Image.open``; with ``at_least``, a JPEG is set to decode at the smallest of 1/1,
     1/2, 1/4, 1/8 scale (in the DCT, far cheaper than decoding it whole) that keeps both
     sides at least that many pixels — for uses that shrink it to that size anyway, which
     then all see the same pixels: a 400x300 JPEG for 64-pixel evaluation (short side 73)
     decodes at 100x75, 0.9 instead of 1.5 ms with the resize."""
-    image = Image.open(path)
+    return _decoder(source.open(path) if source is not None else path, at_least)
+
+
+def _decoder(opened: str | BinaryIO, at_least: int | None) -> Image.Image:
+    image = Image.open(opened)
     if at_least:
         image.draft(image.mode, (at_least, at_least))
     return image
 
 
-def read_rgb(path: str, at_least: int | None = None) -> tuple[Image.Image | None, str | None]:
-    """The image, upright 3-channel RGB, or None and why it cannot be used."""
+def _entry(path: str, source: Source | None) -> tuple[str | BinaryIO, bool]:
+    """The entry opened (a path, or a file object of its bytes), and whether it is empty
+    (said as such rather than as an unidentified image)."""
+    opened = source.open(path) if source is not None else path
+    if isinstance(opened, str):
+        return opened, os.path.getsize(opened) == 0
+    if isinstance(opened, io.BytesIO):
+        return opened, opened.getbuffer().nbytes == 0
+    return opened, False
+
+
+def read_rgb(
+    path: str, at_least: int | None = None, source: Source | None = None
+) -> tuple[Image.Image | None, str | None]:
+    """The image, upright 3-channel RGB, or None and why it cannot be used (``path``:
+    a key of ``source``, else a file's path)."""
     try:
-        if os.path.getsize(path) == 0:
+        opened, empty = _entry(path, source)
+        if empty:
             return None, "empty file"
-        with open_image(path, at_least) as image:
+        with _decoder(opened, at_least) as image:
             image.load()
             return to_rgb(image), None
     except IMAGE_ERRORS as exc:
         return None, _problem(exc)
 
 
-def load_rgb(path: str, at_least: int | None = None) -> Image.Image:
+def load_rgb(path: str, at_least: int | None = None, source: Source | None = None) -> Image.Image:
     """Open an image as upright 3-channel RGB; an unreadable file is a UserError."""
-    image, problem = read_rgb(path, at_least)
+    image, problem = read_rgb(path, at_least, source)
     if image is None:
         raise UserError(f"cannot read image {path}: {problem}")
     return image
 
 
-def image_problem(path: str) -> str | None:
+def image_problem(path: str, source: Source | None = None) -> str | None:
     """Why ``path`` cannot be used as an image (all of it decoded), or None when it can.
 
     A JPEG is decoded at 1/8 scale: every byte is still read and entropy-decoded, so a
     truncated or corrupt file fails alike (checked), in two thirds of the time."""
     try:
-        if os.path.getsize(path) == 0:
+        opened, empty = _entry(path, source)
+        if empty:
             return "empty file"
-        with open_image(path, at_least=1) as image:
+        with _decoder(opened, 1) as image:
             image.load()
         return None
     except IMAGE_ERRORS as exc:
@@ -262,11 +244,12 @@ class ImageSamples(Dataset):
 
     def __init__(
         self,
-        samples: Sequence[Sample],
+        samples: Samples | Sequence[Sample],
         transform: Callable | None = None,
         at_least: int | None = None,
     ):
-        self.samples = list(samples)
+        self.samples = samples if isinstance(samples, Samples) else Samples.of(samples)
+        self.source = self.samples.source
         self.transform = transform
         self.at_least = at_least
 
@@ -276,13 +259,13 @@ class ImageSamples(Dataset):
     def load(self, index: int) -> Image.Image | torch.Tensor:
         """The sample's image, decoded (at reduced scale where ``at_least`` allows); a
         subclass may give its pixels as a uint8 tensor instead."""
-        return load_rgb(self.samples[index][0], self.at_least)
+        return load_rgb(self.samples.keys[index], self.at_least, self.source)
 
     def __getitem__(self, key: int | tuple[int, int]) -> tuple[Any, int]:
         """``key`` is an index, or (index, seed) from the training sampler: then the random
         transform is seeded per sample, so augmentation is reproducible anywhere."""
         index, seed = key if isinstance(key, tuple) else (key, None)
-        image, label = self.load(index), self.samples[index][1]
+        image, label = self.load(index), int(self.samples.labels[index])
         if self.transform is None:
             return image, label
         if seed is None:

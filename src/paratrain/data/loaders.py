@@ -13,11 +13,14 @@ from pathlib import Path
 from torch.utils.data import DataLoader
 
 from paratrain.config import TrainConfig
-from paratrain.data.cache import CachedImages, DecodedCache, cached_eval_transform, prepare
+from paratrain.data.builtin import default_cache_dir
+from paratrain.data.cache import RAW, CachedImages, DecodedCache, cached_eval_transform, prepare
 from paratrain.data.device_batches import DeviceAugmented, decode_faster_on_device
-from paratrain.data.folder import DataSplit, ImageSamples, Sample
+from paratrain.data.folder import DataSplit, ImageSamples, Sample, build_split
 from paratrain.data.samplers import ShardedEvalSampler, TrainBatches, TrainSampler, train_sampler
+from paratrain.data.samples import Samples
 from paratrain.data.scan import screen
+from paratrain.data.sources import Source, open_source
 from paratrain.data.transforms import (
     Augment,
     DecodedSamples,
@@ -25,6 +28,7 @@ from paratrain.data.transforms import (
     batched,
     eval_samples,
 )
+from paratrain.distributed import comm
 from paratrain.distributed.runtime import Runtime, threads_per_process
 from paratrain.errors import AgreedUserError
 
@@ -62,7 +66,47 @@ def _decode_on_device(cfg: TrainConfig, split: DataSplit, runtime: Runtime, work
     asked (--augment-on device: the same code, as the tests run it)."""
     if runtime.device.type != "cuda":
         return cfg.augment_on == "device"
-    return decode_faster_on_device([p for p, _ in split.train], runtime.device, workers)
+    return decode_faster_on_device(split.train, runtime.device, workers)
+
+
+def nodes_of(runtime: Runtime) -> int:
+    """Machines in the job."""
+    return max(1, runtime.world_size // max(runtime.env.local_world_size, 1))
+
+
+def source_of(cfg: TrainConfig) -> Source:
+    """What --data names, opened (data/sources.py)."""
+    return open_source(
+        cfg.dataset,
+        memory_folder(cfg),
+        cfg.data_split,
+        cfg.val_split,
+        cfg.image_column,
+        cfg.label_column,
+    )
+
+
+def read_split(cfg: TrainConfig, runtime: Runtime | None = None) -> DataSplit:
+    """The run's split: a sharded source over several nodes lists only this node's
+    shards (each node reads only what its ranks train on)."""
+    source = source_of(cfg)
+    node, nodes = 0, 1
+    if runtime is not None and source.sharded:
+        node, nodes = runtime.env.node_rank, nodes_of(runtime)
+    return build_split(source, cfg.val_fraction, cfg.split_seed, node, nodes)
+
+
+def node_local(split: DataSplit, runtime: Runtime) -> tuple[int, int] | None:
+    """(local rank, local world) where each node holds its own entries, else None."""
+    source = split.source
+    if source is None or not source.sharded or nodes_of(runtime) == 1:
+        return None
+    return runtime.env.local_rank, runtime.env.local_world_size
+
+
+def memory_folder(cfg: TrainConfig) -> Path:
+    """Where the screen's verdicts are kept: beside the decoded cache."""
+    return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
 
 
 def prepare_data(
@@ -70,7 +114,7 @@ def prepare_data(
 ) -> tuple[DecodedCache | None, DataSplit]:
     """The decoded-image cache (built by all ranks, or None) and the split screened for
     unreadable images. Building the cache decodes every image, so it is the screen too;
-    without a cache every image is decoded once just to check it."""
+    without a cache only what the screen's memory has no verdict on is decoded."""
     workers = decode_workers(cfg, runtime)
     cache = prepare(
         split.train + split.val,
@@ -84,7 +128,16 @@ def prepare_data(
     )
     found = cache.bad if cache is not None else None
     screened = screen(
-        split, cfg.bad_images, runtime.rank, runtime.world_size, workers, run_dir, found
+        split,
+        cfg.bad_images,
+        runtime.rank,
+        runtime.world_size,
+        workers,
+        run_dir,
+        found,
+        memory_folder(cfg),
+        runtime.env.node_rank,
+        node_local(split, runtime),
     )
     return cache, screened
 
@@ -95,7 +148,11 @@ class Loaders:
     val: DataLoader
     sampler: TrainSampler  # the training order: set_epoch(epoch, consumed) each epoch
     workers: int  # loader processes per rank
-    cached: bool  # read from the decoded-image cache
+    cache: DecodedCache | None  # what training reads, where it reads a cache
+
+    @property
+    def cached(self) -> bool:
+        return self.cache is not None
 
 
 def make_loaders(
@@ -121,7 +178,20 @@ def make_loaders(
         train_set = CachedImages(split.train, cache, augment)
     else:
         train_set = DecodedSamples(split.train, augment)
-    sampler = train_sampler(len(train_set), replica, replicas, cfg.seed, cfg.ra_reps)
+    local = node_local(split, runtime)
+    if local is not None:  # each node trains on its own shards, the same steps on each
+        if replicas != runtime.world_size:
+            raise AgreedUserError(
+                f"--data {cfg.data}: shards read per node need every process to be a model "
+                f"copy (--strategy {cfg.strategy} has {replicas} copies in "
+                f"{runtime.world_size} processes)"
+            )
+        longest = max(comm.all_gather_object(len(train_set)))
+        sampler = train_sampler(len(train_set), local[0], local[1], cfg.seed, cfg.ra_reps)
+        sampler.node_share(-(-longest // local[1]) * local[1], nodes_of(runtime))
+        replica, replicas = local
+    else:
+        sampler = train_sampler(len(train_set), replica, replicas, cfg.seed, cfg.ra_reps)
     if len(sampler) == 1:
         raise AgreedUserError(
             f"{len(train_set)} training image(s) give each of {replicas} model copies 1 image "
@@ -139,11 +209,11 @@ def make_loaders(
     val = validation_loader(
         split.val, cfg, cfg.batch, workers, replica, replicas, cache, runtime.device.type == "cuda"
     )
-    return Loaders(train, val, sampler, workers, cache is not None)
+    return Loaders(train, val, sampler, workers, cache)
 
 
 def validation_loader(
-    samples: Sequence[Sample],
+    samples: Samples | Sequence[Sample],
     cfg: TrainConfig,
     batch_size: int,
     workers: int,
@@ -155,9 +225,9 @@ def validation_loader(
     """Validation batches of this rank's exact shard (every image once across ranks):
     the training run's and `paratrain eval`'s. From the cache where it holds
     validation's resize (bit for bit the decode path's tensors), else decoded: a second
-    resize would change them."""
+    resize would change them, and so would a packed cache's JPEG."""
     extra: dict = {}
-    if cache is not None and cfg.stored_size == cfg.eval_resize:
+    if cache is not None and cache.kind == RAW and cfg.stored_size == cfg.eval_resize:
         dataset: ImageSamples = CachedImages(samples, cache, cached_eval_transform(cfg.eval_crop))
         extra["collate_fn"] = batched
     else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 from torch.utils.data import Sampler
 
@@ -33,34 +34,45 @@ class TrainSampler(Sampler[tuple[int, int]]):
         self.n, self.rank, self.world_size, self.seed = dataset_len, rank, world_size, seed
         self.repeats = repeats
         self.epoch, self.consumed = 0, 0
+        self.length = math.ceil(dataset_len / world_size) * world_size
+        self.nodes = 1  # orders like this one, on as many nodes (node_share)
+
+    def node_share(self, length: int, nodes: int) -> None:
+        """This order is one node's of ``nodes`` (a sharded source: each node its own
+        shards), padded to ``length`` so that every node takes as many steps; ``consumed``
+        and ``total`` stay counts over the whole job."""
+        self.length, self.nodes = max(length, self.length), nodes
 
     def set_epoch(self, epoch: int, consumed: int = 0) -> None:
         """A new order for ``epoch``, skipping the ``consumed`` samples a resumed epoch already trained on."""
-        self.epoch, self.consumed = epoch, consumed
+        self.epoch, self.consumed = epoch, consumed // self.nodes
 
-    def _global_order(self) -> list[int]:
+    def _global_order(self) -> np.ndarray:
+        """The epoch's order (an array: a million Python ints would cost 36 MB a rank)."""
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)
-        order = torch.randperm(self.n, generator=generator).tolist()
+        order = torch.randperm(self.n, generator=generator).numpy()
         if self.repeats > 1:  # repeated augmentation: each image K times, side by side, so
             # the K copies go to K different ranks; the epoch keeps its n samples
-            order = [index for index in order for _ in range(self.repeats)][: self.n]
-        total = math.ceil(self.n / self.world_size) * self.world_size
-        return order + (order * math.ceil(total / max(self.n, 1)))[: total - self.n]
+            order = np.repeat(order, self.repeats)[: self.n]
+        return np.resize(order, self.length) if self.n else order  # padded with its head
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         order = self._global_order()
-        for position in range(self.consumed + self.rank, len(order), self.world_size):
-            yield order[position], sample_seed(self.seed, self.epoch, position)
+        positions = range(self.consumed + self.rank, len(order), self.world_size)
+        for position, index in zip(
+            positions, order[positions.start :: self.world_size].tolist(), strict=True
+        ):
+            yield index, sample_seed(self.seed, self.epoch, position)
 
     @property
     def total(self) -> int:
-        """Samples in an epoch's global order (the data, padded to a multiple of ranks)."""
-        return math.ceil(self.n / self.world_size) * self.world_size
+        """Samples in an epoch's global order (the data, padded to a multiple of ranks),
+        over every node."""
+        return self.length * self.nodes
 
     def __len__(self) -> int:
-        total = math.ceil(self.n / self.world_size) * self.world_size
-        return len(range(self.consumed + self.rank, total, self.world_size))
+        return len(range(self.consumed + self.rank, self.length, self.world_size))
 
 
 class TrainBatches(Sampler):

@@ -22,6 +22,7 @@ from torchvision.transforms.v2 import functional as F2  # uint8 fast path for re
 
 from paratrain.config.train import resize_for_crop
 from paratrain.data.folder import ImageSamples, Sample, load_rgb, seeded
+from paratrain.data.samples import Samples
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -209,7 +210,8 @@ class AugmentedSamples(ImageSamples):
         raise NotImplementedError
 
     def __getitems__(self, keys: list) -> tuple[torch.Tensor, torch.Tensor]:
-        labels = torch.tensor([self.samples[k[0] if isinstance(k, tuple) else k][1] for k in keys])
+        indices = [k[0] if isinstance(k, tuple) else k for k in keys]
+        labels = torch.from_numpy(self.samples.labels[indices].astype(np.int64))
         if not isinstance(self.transform, TrainAugment):
             return default_collate([self[k] for k in keys])[0], labels
         size = self.transform.size
@@ -223,7 +225,7 @@ class DecodedSamples(AugmentedSamples):
     """Training samples decoded from their files every epoch (no cache)."""
 
     def load(self, index: int) -> torch.Tensor:
-        return to_chw(load_rgb(self.samples[index][0]))
+        return to_chw(load_rgb(self.samples.keys[index], None, self.source))
 
 
 def eval_transform(
@@ -246,7 +248,10 @@ def eval_transform(
 
 
 def eval_samples(
-    samples: Sequence[Sample], size: int, resize: int | None = None, interpolation: str = "bilinear"
+    samples: Samples | Sequence[Sample],
+    size: int,
+    resize: int | None = None,
+    interpolation: str = "bilinear",
 ) -> ImageSamples:
     """Validation images, each decoded as the cache decodes it (a JPEG at reduced scale
     where it stays at least the Resize's size; see ``open_image``) and eval-transformed."""

@@ -84,7 +84,7 @@ def dry_run(
     import torch
 
     from paratrain.data.cache import survey
-    from paratrain.data.folder import build_split
+    from paratrain.data.loaders import read_split
     from paratrain.distributed.runtime import resolve_precision, runs_on_cuda
     from paratrain.engine.preflight import check_model_input, job_world, oversubscribed
 
@@ -97,7 +97,7 @@ def dry_run(
         cache = "decided once the digits set is written"
         resume = ""
     else:
-        split = build_split(cfg.dataset, cfg.val_fraction, cfg.split_seed)
+        split = read_split(cfg)
         data = data_words(cfg, split)
         plan = survey(
             split.train + split.val,
@@ -107,9 +107,10 @@ def dry_run(
             cfg.cache_dir,
             short=cfg.stored_size,
         )
+        size = f"{plan.kind}, about {plan.nbytes / 2**30:.2f} GB"
         cache = {
-            "ready": f"ready ({plan.nbytes / 2**30:.2f} GB at {plan.directory})",
-            "build": f"would be built: {plan.nbytes / 2**30:.2f} GB at {plan.directory}",
+            "ready": f"ready: {plan.kind}, {plan.nbytes / 2**30:.2f} GB at {plan.directory}",
+            "build": f"would be built: {plan.reason or size}, at {plan.directory}",
             "skip": f"off ({plan.reason})",
         }[plan.action]
         resume = resumable(cfg, split.classes)

@@ -157,7 +157,7 @@ class EvalJob:
 def prepare_evaluation(opts: EvalOptions) -> EvalJob:
     """The checkpoint read, its data split as training split it, its weights checked
     against its model: every mistake one line before any process starts."""
-    from paratrain.data.folder import build_split
+    from paratrain.data.loaders import memory_folder, read_split
     from paratrain.data.scan import without_unreadable
     from paratrain.engine import checkpoint
     from paratrain.models.registry import check_weights_fit
@@ -168,7 +168,7 @@ def prepare_evaluation(opts: EvalOptions) -> EvalJob:
     data_dir = opts.data or saved.data
     if not data_dir:
         raise UserError("--data is needed: the checkpoint does not name its data")
-    split = build_split(data_dir, saved.val_fraction, saved.split_seed)
+    split = read_split(replace(saved, data=data_dir))
     if split.classes != state.classes:
         raise UserError(
             f"classes of {data_dir} ({len(split.classes)}) differ from the checkpoint's "
@@ -176,7 +176,7 @@ def prepare_evaluation(opts: EvalOptions) -> EvalJob:
         )
     skipped = 0
     if saved.bad_images == "skip":  # as the run did: its validation left them out
-        kept, bad = without_unreadable(split.val)
+        kept, bad = without_unreadable(split.val, memory_folder(saved))
         split, skipped = replace(split, val=kept), len(bad)
     weights = state.weights(path, opts.ema)
     check_weights_fit(saved.model, len(split.classes), saved.train_size, weights, path)

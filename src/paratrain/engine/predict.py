@@ -11,7 +11,8 @@ import torch
 from tqdm import tqdm
 
 from paratrain.config import PredictOptions, TrainConfig
-from paratrain.data.folder import IMAGE_EXTENSIONS, read_rgb
+from paratrain.data.folder import read_rgb
+from paratrain.data.sources import IMAGE_EXTENSIONS
 from paratrain.data.transforms import eval_transform
 from paratrain.distributed.env import DistEnv
 from paratrain.distributed.runtime import choose_device

@@ -28,12 +28,15 @@ def preflight(cfg: TrainConfig, world: int) -> None:
     """What every rank would otherwise find wrong at once, checked here, for a job of
     ``world`` processes."""
     from paratrain.data.folder import build_split
+    from paratrain.data.loaders import source_of
     from paratrain.engine.run_dir import check_run_dir_free
 
     check_settings(cfg, world)
     cfg.check_paths()
     check_run_dir_free(cfg)
-    build_split(cfg.dataset, cfg.val_fraction, cfg.split_seed)
+    source = source_of(cfg)
+    if not source.sharded:  # shards are listed by the nodes that read them
+        build_split(source, cfg.val_fraction, cfg.split_seed)
     if cfg.weights:
         from paratrain.models.registry import read_state_dict
 

@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 
 from paratrain.config import TrainConfig
-from paratrain.data.folder import DataSplit, build_split
-from paratrain.data.loaders import Loaders, make_loaders, prepare_data
+from paratrain.data.cache import agree_intact
+from paratrain.data.folder import DataSplit
+from paratrain.data.loaders import Loaders, make_loaders, prepare_data, read_split
 from paratrain.distributed import comm
 from paratrain.distributed.env import DistEnv
 from paratrain.distributed.runtime import Runtime, seed_everything
@@ -37,7 +38,7 @@ from paratrain.engine.state import Progress
 from paratrain.engine.step import Stepper
 from paratrain.engine.step import train_step as one_step
 from paratrain.errors import AgreedUserError, UserError
-from paratrain.log import get_logger
+from paratrain.log import get_logger, since_start
 from paratrain.parallel.parallelize import build_parts
 from paratrain.parallel.parts import ModelParts
 from paratrain.report.metrics import MetricsWriter, format_epoch
@@ -73,6 +74,7 @@ class Run:
     metrics: MetricsWriter
     board: Board
     stepper: Stepper
+    first_step: float | None = None  # seconds from the command's start to its first step
 
 
 def train_worker(cfg: TrainConfig, env: DistEnv) -> dict:
@@ -116,7 +118,7 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
-    split = build_split(cfg.dataset, cfg.val_fraction, cfg.split_seed)
+    split = read_split(cfg, runtime)
     try:  # before any file is written or image decoded; the same answer on every rank
         check_model_input(cfg, runtime.world_size)
     except UserError as exc:
@@ -161,7 +163,9 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
             backend=runtime.backend,
             data=data_words(cfg, split) + f", {loaders.workers} loader worker(s)",
             precision=recipe.precision.mode,
-            cache="used" if loaders.cached else "off (decoding every epoch)",
+            cache=f"{loaders.cache.kind} ({loaders.cache.directory})"
+            if loaders.cache is not None
+            else "off (decoding every epoch)",
             resume=f"from {resume_from}" if resume_from is not None else "",
         )
         announce(run_dir, facts)
@@ -213,6 +217,9 @@ def train_epoch(run: Run, epoch: int) -> float:
         remaining -= count
         run.schedule.apply(run.optimizer, epoch + progress.consumed / run.loaders.sampler.total)
         images = train_step(run, itertools.islice(batches, count), count)
+        if run.first_step is None:  # what a user waits for: from the command to training
+            run.first_step = since_start()
+            get_logger().info(f"first step {run.first_step:.1f} s after the command started")
         if bar is not None:
             bar.update(images * parts.replicas)
             if progress.global_step % run.control.check_every == 0:
@@ -244,6 +251,8 @@ def train_step(run: Run, micro_batches: Iterator, count: int) -> int:
 def validate(run: Run) -> tuple[EvalResult, EvalResult | None]:
     """The model (and its EMA) on every validation image, each counted once."""
     run.control.check(run.progress)  # what the epoch's steps left unread, before anything uses it
+    last = run.progress.epoch + 1 >= run.cfg.epochs
+    agree_intact(run.loaders.cache, wait=last)  # the cache's background check: damage stops
     run.parts.agree_buffers()
     classes = len(run.split.classes)
     with run.recipe.precision.autocast():
@@ -279,6 +288,7 @@ def record_epoch(
         "epoch_seconds": epoch_seconds,
         "train_images_per_s": totals[2] / max(train_seconds, 1e-9),
         "world_size": run.runtime.world_size,
+        "first_step_s": run.first_step,
     }
     if averaged is not None:
         row.update(val_loss_ema=averaged.loss, val_top1_ema=averaged.top1)

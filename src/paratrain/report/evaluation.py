@@ -53,7 +53,7 @@ def write_evaluation(
         writer = csv.writer(handle)
         writer.writerow(["path", "true", "predicted"])
         for index, predicted in predictions:
-            path, label = split.val[index]
+            path, label = split.val[int(index)]
             if predicted != label:
                 writer.writerow([path, classes[label], classes[predicted]])
     return out
