@@ -7,7 +7,8 @@ per size:
 * listing + screen on a first start (nothing known) and on a second (the screen's
   verdicts kept), in this process with 2 screening workers;
 * time to the first step of `paratrain train` (ResNet-18 at --image-size, one process,
-  --cache off, the verdicts kept from before), from the command to its "first step" line;
+  --cache off, the verdicts kept from before), from the command to its "first step"
+  line, the median of --repeats starts;
 * at N only (a per-core rate does not depend on the size): images/s one core feeds from
   each cache mode — decoding the originals, raw pixels, packed JPEG (on a subset);
 * at the largest size: the RSS of the rank and of each of 2 loader workers at the start
@@ -158,6 +159,7 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--feed", type=int, default=1500, help="images of the feed subset")
     parser.add_argument("--rss-size", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3, help="starts timed per size")
     parser.add_argument("--skip", default="", help="phases to skip: start,step,feed,rss")
     args = parser.parse_args()
     skip = set(args.skip.split(","))
@@ -185,7 +187,9 @@ def main() -> None:
             if "start" in skip:  # the verdicts must be kept for a second start
                 start_once(data, memory)
             runs = root / f"runs-x{scale}"
-            row["first_step_s"] = first_step(data, memory, runs, args.image_size)
+            times = [first_step(data, memory, runs, args.image_size) for _ in range(args.repeats)]
+            row["first_step_s"] = float(np.median(times))
+            row["first_step_each_s"] = times
             shutil.rmtree(runs, ignore_errors=True)
         results["sizes"][scale] = row
         print(json.dumps({f"x{scale}": row}), flush=True)

@@ -72,12 +72,14 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--measure", type=int, default=600, help="images timed per round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--original", default="300x400", help="originals' HEIGHTxWIDTH")
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         start = time.perf_counter()
-        split = build_split(make_jpegs(root / "data", args.images))
+        height, width = (int(v) for v in args.original.split("x"))
+        split = build_split(make_jpegs(root / "data", args.images, size=(height, width)))
         print(
             f"generated {args.images} JPEGs in {time.perf_counter() - start:.1f}s", file=sys.stderr
         )
@@ -94,7 +96,7 @@ def main() -> None:
                 rates[name].append(images_per_second(dataset, args.measure, 32))
     median = {name: statistics.median(found) for name, found in rates.items()}
     print(
-        f"{args.images} JPEGs ~400x300, image size {args.image_size}, 1 process, 1 thread, "
+        f"{args.images} JPEGs {width}x{height}, image size {args.image_size}, 1 process, 1 thread, "
         f"no workers; decoder {jpeg.DECODER}"
     )
     for kind, (seconds, nbytes) in builds.items():

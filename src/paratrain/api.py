@@ -70,6 +70,7 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, say: Say = print) -> dict 
     Returns the run summary in the process that trained (rank 0's view); None in a
     launcher, whose workers report through the run directory, and for a dry run."""
     from paratrain.bench import autopilot
+    from paratrain.data.sources import handed_over
     from paratrain.engine import preflight
     from paratrain.engine.describe import dry_run as describe
     from paratrain.engine.describe import embedded_data
@@ -97,13 +98,14 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, say: Say = print) -> dict 
         cfg = replace(cfg, name=claim_new_name(Path(cfg.output_dir)))
         claimed = Path(cfg.output_dir) / str(cfg.name)
     try:
-        return launch_or_run(
-            cfg.processes,
-            ["train", *to_argv(cfg)],
-            lambda env: train_worker(cfg, env),
-            max_restarts=cfg.max_restarts,
-            master_port=cfg.master_port,
-        )
+        with handed_over():  # the checks' listing of the data, for the run's processes
+            return launch_or_run(
+                cfg.processes,
+                ["train", *to_argv(cfg)],
+                lambda env: train_worker(cfg, env),
+                max_restarts=cfg.max_restarts,
+                master_port=cfg.master_port,
+            )
     finally:  # workers that stopped before writing anything leave no empty run folder
         if claimed is not None and claimed.is_dir() and not any(claimed.iterdir()):
             claimed.rmdir()

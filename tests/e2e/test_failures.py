@@ -134,6 +134,21 @@ def test_resume_mid_epoch_is_bit_exact(data, uninterrupted):
     _assert_bitwise_equal(weights(root, "broken"), uninterrupted)
 
 
+def test_resume_mid_epoch_from_a_packed_cache_is_bit_exact(data):
+    """The packed cache's JPEGs decode to the same pixels every epoch and on resume."""
+    root, folder = data
+    packed = ["--cache", "packed", *EVERY_2]
+    straight, _ = run(root, *job(folder, "packed-straight", *packed, epochs=2))
+    assert straight.returncode == 0, straight.stderr
+    assert "packed" in straight.stdout
+    common = job(folder, "packed-broken", *packed, epochs=2)
+    crashed, _ = run(root, *common, PARATRAIN_INJECT="rank=1,step=9,kind=raise")
+    assert crashed.returncode != 0
+    resumed, _ = run(root, *common, "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr
+    _assert_bitwise_equal(weights(root, "packed-broken"), weights(root, "packed-straight"))
+
+
 def test_resume_with_another_world_size_says_what_changed(data, uninterrupted):
     root, folder = data
     out, _ = run(root, *job(folder, "straight", "--resume", "auto", nproc=1, epochs=3))

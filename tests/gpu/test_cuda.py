@@ -204,6 +204,35 @@ def test_jpegs_decode_on_the_gpu(tmp_path, data):
     ).abs().max() < 0.1
 
 
+def test_a_packed_cache_batch_decodes_on_the_gpu_in_one_call(tmp_path, data, monkeypatch):
+    """The packed cache hands its JPEG bytes to the device: nvJPEG decodes the batch in
+    one call (not one image at a time), to what the CPU path reads within a level."""
+    import torchvision.io
+
+    from paratrain.data.cache import prepare
+    from paratrain.data.device_batches import DeviceAugmented
+    from paratrain.data.folder import build_split
+    from paratrain.data.transforms import TrainAugment
+
+    split = build_split(data)
+    packed = prepare(split.train, 32, "packed", 1.0, str(tmp_path / "c"), 0)
+    calls = []
+    real = torchvision.io.decode_jpeg
+    monkeypatch.setattr(
+        torchvision.io,
+        "decode_jpeg",
+        lambda images, **kw: calls.append(len(images)) or real(images, **kw),
+    )
+    batch, _ = DeviceAugmented(split.train, TrainAugment(32), packed).__getitems__(
+        [(i, i) for i in range(8)]
+    )
+    assert all(batch.encoded)
+    on_gpu = batch.on(CUDA, torch.contiguous_format).cpu()
+    assert calls == [8]
+    on_cpu = batch.on(torch.device("cpu"), torch.contiguous_format)
+    assert (on_gpu - on_cpu).abs().max() < 0.1
+
+
 def test_bench_on_cuda_reports_speed_and_peak_memory():
     from paratrain.bench.speed import run_bench
 

@@ -4,6 +4,7 @@ and cache as a folder."""
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import numpy as np
@@ -199,3 +200,32 @@ def test_a_folder_is_still_a_folder(tmp_path):
     assert split.train.versions.min() > 0  # every file's modification time, listed once
     resized = eval_resize(24)
     assert load_rgb(split.val[0][0], resized).size[0] >= resized
+
+
+def test_the_launchers_listing_is_read_by_the_runs_processes(tmp_path, monkeypatch):
+    """A start lists and stats the files once: the checks before the run offer their
+    listing, and the run's processes (here, or launched with this environment) read it."""
+    from paratrain.data import sources
+
+    data = make_image_folder(tmp_path / "d", classes=2, per_class=6)
+    other = make_image_folder(tmp_path / "e", classes=2, per_class=4)
+    source = open_source(str(data))
+    listed = source.listing()
+    sources.offer(source, listed)
+    calls = []
+    real = sources.FolderSource.list_entries
+    monkeypatch.setattr(
+        sources.FolderSource,
+        "list_entries",
+        lambda self, *a: calls.append(self.name) or real(self, *a),
+    )
+    with sources.handed_over():
+        assert os.environ[sources.LISTING]
+        split = build_split(str(data))
+        assert calls == [] and split == build_split(open_source(str(data)))
+        assert split.train.sizes.tolist() == build_split(str(data)).train.sizes.tolist()
+        build_split(str(other))  # another folder is listed, not handed over
+        assert calls == [str(other)]
+    assert sources.LISTING not in os.environ
+    build_split(str(data))  # after the run: listed again
+    assert calls[-1] == str(data)

@@ -70,6 +70,21 @@ def build_split(
 def split_listing(listing: Listing, source: Source, val_fraction: float, seed: int) -> DataSplit:
     """Train and val of a listing: as the source gives them, by a hash of the key for a
     sharded source, else the same fraction of each class, seeded."""
+    is_val = validation_side(listing, source, val_fraction, seed)
+    return DataSplit(
+        classes=listing.classes,
+        train=listing.samples.where(~is_val),
+        val=listing.samples.where(is_val),
+        layout=listing.layout,
+        root=source.name,
+        ignored=listing.ignored,
+        missing=listing.missing,
+    )
+
+
+def validation_side(listing: Listing, source: Source, val_fraction: float, seed: int) -> np.ndarray:
+    """Which entries of the listing go to validation (a boolean array); a class too small
+    to split is a UserError."""
     samples = listing.samples
     if listing.sides is not None:
         is_val = listing.sides == 1
@@ -85,15 +100,7 @@ def split_listing(listing: Listing, source: Source, val_fraction: float, seed: i
                     "needed to split it into train and val"
                 )
             is_val[members[split_class(len(members), val_fraction, seed + index)]] = True
-    return DataSplit(
-        classes=listing.classes,
-        train=samples.where(~is_val),
-        val=samples.where(is_val),
-        layout=listing.layout,
-        root=source.name,
-        ignored=listing.ignored,
-        missing=listing.missing,
-    )
+    return is_val
 
 
 def split_class(n: int, val_fraction: float, seed: int) -> np.ndarray:

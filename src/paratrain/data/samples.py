@@ -30,11 +30,20 @@ class PackedStrings(Sequence[str]):
 
     @classmethod
     def of(cls, strings: Iterable[str]) -> PackedStrings:
-        encoded = [s.encode() for s in strings]
-        offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
-        np.cumsum([len(b) for b in encoded], out=offsets[1:])
-        data = np.frombuffer(b"".join(encoded), dtype=np.uint8).copy()
-        return cls(data, offsets)
+        """From strings without NUL characters (paths, keys): one encode of them all,
+        joined by NULs that then mark where each ends."""
+        listed = strings if isinstance(strings, list) else list(strings)
+        if not listed:
+            return cls(np.zeros(0, np.uint8), np.zeros(1, np.int64))
+        joined = np.frombuffer("\0".join(listed).encode(), dtype=np.uint8)
+        ends = np.flatnonzero(joined == 0)
+        if len(ends) != len(listed) - 1:
+            raise ValueError("a string holds a NUL character")
+        offsets = np.empty(len(listed) + 1, np.int64)
+        offsets[0] = 0
+        offsets[1:-1] = ends - np.arange(len(ends))
+        offsets[-1] = len(joined) - len(ends)
+        return cls(np.delete(joined, ends), offsets)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1

@@ -23,7 +23,12 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import tarfile
+import tempfile
+from array import array
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -65,6 +70,16 @@ class Source:
         return self.name
 
     def listing(self, node: int = 0, nodes: int = 1) -> Listing:
+        """Every entry (of this node's shards, for a sharded source): the listing this
+        start's launcher made where it handed one over (``handed_over``), else listed."""
+        path = os.environ.get(LISTING)
+        if path and nodes == 1:
+            found = read_listing(Path(path), self)
+            if found is not None:
+                return found
+        return self.list_entries(node, nodes)
+
+    def list_entries(self, node: int, nodes: int) -> Listing:
         raise NotImplementedError
 
     def open(self, key: str) -> str | BinaryIO:
@@ -100,7 +115,7 @@ class FolderSource(Source):
         with open(key, "rb") as handle:
             return handle.read()
 
-    def listing(self, node: int = 0, nodes: int = 1) -> Listing:
+    def list_entries(self, node: int = 0, nodes: int = 1) -> Listing:
         root = self.root
         given = (root / "train").is_dir() and (root / "val").is_dir()
         found = _Found()
@@ -120,26 +135,27 @@ class FolderSource(Source):
             by_class = _scan_classes(root, found)
             classes = sorted(by_class)
             parts = [(by_class, 0)]
-        keys, labels, sizes, versions, sides = [], [], [], [], []
+        keys: list[str] = []
+        labels, sizes, versions, sides = [], [], [], []
         for by_class, side in parts:
             for index, name in enumerate(classes):
-                for path, size, version in by_class[name]:
-                    keys.append(path)
-                    labels.append(index)
-                    sizes.append(size)
-                    versions.append(version)
-                    sides.append(side)
+                found_here = by_class[name]
+                keys += found_here.paths
+                sizes.append(np.frombuffer(found_here.sizes, np.int64))
+                versions.append(np.frombuffer(found_here.versions, np.int64))
+                labels.append(np.full(len(found_here.paths), index, np.int32))
+                sides.append(np.full(len(found_here.paths), side, np.int8))
         samples = Samples(
             PackedStrings.of(keys),
-            np.array(labels, np.int32),
+            np.concatenate(labels),
             self,
-            np.array(sizes),
-            np.array(versions),
+            np.concatenate(sizes),
+            np.concatenate(versions),
         )
         return Listing(
             classes,
             samples,
-            np.array(sides, np.int8) if given else None,
+            np.concatenate(sides) if given else None,
             "given" if given else "split",
             found.ignored,
             found.missing,
@@ -152,10 +168,21 @@ class _Found:
     missing: list[tuple[str, str]] = field(default_factory=list)
 
 
-def _scan_classes(root: Path, found: _Found) -> dict[str, list[tuple[str, int, int]]]:
-    """Each class folder under ``root`` -> its images' (path, size, mtime_ns), sorted;
-    a file that cannot be statted (a broken link) goes to ``found.missing``, one without
-    an image extension is counted in ``found.ignored``."""
+@dataclass
+class _Images:
+    """One class folder's images: sorted paths, and their sizes and modification times
+    (arrays of int64 as they are appended: no tuple per file)."""
+
+    paths: list[str]
+    sizes: array
+    versions: array
+
+
+def _scan_classes(root: Path, found: _Found) -> dict[str, _Images]:
+    """Each class folder under ``root`` -> its images, sorted by path; a file that
+    cannot be statted (a broken link) goes to ``found.missing``, one without an image
+    extension is counted in ``found.ignored``. One stat per image: at a million files
+    that is most of a second start's listing (2-4 us each)."""
     if not root.exists():
         raise UserError(f"data directory does not exist: {root}")
     if not root.is_dir():
@@ -166,25 +193,36 @@ def _scan_classes(root: Path, found: _Found) -> dict[str, list[tuple[str, int, i
         if not entries:
             raise UserError(f"data directory is empty: {root}")
         raise UserError(f"no class folders in {root} (expected {root}/<class>/<image>)")
-    classes: dict[str, list[tuple[str, int, int]]] = {}
+    classes: dict[str, _Images] = {}
+    stat = os.stat
     for entry in class_dirs:
-        images = []
-        for dirpath, _, names in os.walk(entry.path, followlinks=True):
-            for name in names:
-                if name.startswith("."):
-                    continue
-                path = os.path.join(dirpath, name)
-                if not is_image(name):
-                    found.ignored += 1
-                    continue
-                try:
-                    stat = os.stat(path)
-                except OSError as exc:  # a broken link, a file gone meanwhile
-                    found.missing.append((path, f"missing ({exc.strerror or exc})"))
-                    continue
-                images.append((path, stat.st_size, stat.st_mtime_ns))
-        images.sort()
-        if not images and not any(p.startswith(entry.path + os.sep) for p, _ in found.missing):
+        paths: list[str] = []
+        folders = [entry.path]
+        while folders:  # every folder below, links followed (os.walk's followlinks)
+            with os.scandir(folders.pop()) as listed:
+                for item in listed:
+                    if item.name.startswith("."):
+                        continue
+                    if item.is_dir():
+                        folders.append(item.path)
+                    elif is_image(item.name):
+                        paths.append(item.path)
+                    else:
+                        found.ignored += 1
+        paths.sort()
+        images = _Images([], array("q"), array("q"))
+        kept, sizes, versions = images.paths.append, images.sizes.append, images.versions.append
+        missing_before = len(found.missing)
+        for path in paths:
+            try:
+                info = stat(path)
+            except OSError as exc:  # a broken link, a file gone meanwhile
+                found.missing.append((path, f"missing ({exc.strerror or exc})"))
+                continue
+            kept(path)
+            sizes(info.st_size)
+            versions(info.st_mtime_ns)
+        if not images.paths and len(found.missing) == missing_before:
             raise UserError(f"class folder has no images: {entry.path}")
         classes[entry.name] = images
     if len(classes) < 2:
@@ -193,6 +231,77 @@ def _scan_classes(root: Path, found: _Found) -> dict[str, list[tuple[str, int, i
             f"least 2 ({root}/<class>/<image>, one folder per class)"
         )
     return classes
+
+
+# ---------------------------------------------------------------------------- handing over
+
+LISTING = "PARATRAIN_LISTING"  # a listing file the launcher made, for the run's processes
+_offered: tuple[Source, Listing] | None = None
+
+
+def offer(source: Source, listing: Listing) -> None:
+    """Keep the listing the checks before a run made, for ``handed_over``."""
+    global _offered
+    _offered = (source, listing)
+
+
+@contextmanager
+def handed_over() -> Iterator[None]:
+    """While a run that this process starts (here, or in processes it launches) lists
+    its source: the listing offered before, from a file, so a million files are listed
+    and statted once per start rather than once more by every process."""
+    global _offered
+    if _offered is None:
+        yield
+        return
+    source, listing = _offered
+    _offered = None
+    folder = Path(tempfile.mkdtemp(prefix="paratrain-listing-"))
+    try:
+        os.environ[LISTING] = str(write_listing(folder / "listing.npz", source, listing))
+        yield
+    finally:
+        os.environ.pop(LISTING, None)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def write_listing(path: Path, source: Source, listing: Listing) -> Path:
+    samples = listing.samples
+    meta = {
+        "identity": source.identity(),
+        "classes": listing.classes,
+        "layout": listing.layout,
+        "ignored": listing.ignored,
+        "missing": listing.missing,
+    }
+    np.savez(
+        path,
+        meta=np.array(json.dumps(meta)),
+        keys=samples.keys.data,
+        offsets=samples.keys.offsets,
+        labels=samples.labels,
+        sizes=samples.sizes,
+        versions=samples.versions,
+        sides=listing.sides if listing.sides is not None else np.zeros(0, np.int8),
+        given=np.array(listing.sides is not None),
+    )
+    return path
+
+
+def read_listing(path: Path, source: Source) -> Listing | None:
+    """The listing in ``path`` when it is ``source``'s, else None."""
+    try:
+        with np.load(path, allow_pickle=False) as kept:
+            meta = json.loads(str(kept["meta"]))
+            if meta["identity"] != source.identity():
+                return None
+            keys = PackedStrings(kept["keys"], kept["offsets"])
+            samples = Samples(keys, kept["labels"], source, kept["sizes"], kept["versions"])
+            sides = kept["sides"] if bool(kept["given"]) else None
+    except (OSError, ValueError, KeyError):
+        return None
+    missing = [(str(key), str(why)) for key, why in meta["missing"]]
+    return Listing(meta["classes"], samples, sides, meta["layout"], meta["ignored"], missing)
 
 
 # ---------------------------------------------------------------------------- Hugging Face
@@ -214,9 +323,18 @@ def is_hf_folder(path: Path) -> bool:
     return path.is_dir() and (
         (path / "dataset_dict.json").is_file()
         or (path / "state.json").is_file()
-        or any(path.glob("*.parquet"))
-        or any(path.glob("*/*.parquet"))
+        or _has_parquet(path)
+        or _has_parquet(path / "data")  # the hub's layout: data/<split>-*.parquet
     )
+
+
+def _has_parquet(folder: Path) -> bool:
+    """Whether ``folder`` itself holds a parquet file (an image folder's class folders
+    are not looked into: they may hold a million files)."""
+    if not folder.is_dir():
+        return False
+    with os.scandir(folder) as entries:
+        return any(entry.name.endswith(".parquet") for entry in entries)
 
 
 VAL_SPLITS = ("validation", "valid", "val", "test")
@@ -252,7 +370,7 @@ class HFSource(Source):
                 loaded = datasets.load_dataset(self.spec[len(HF) :])
             else:
                 path = Path(self.spec).expanduser()
-                if any(path.glob("*.parquet")) or any(path.glob("*/*.parquet")):
+                if _has_parquet(path) or _has_parquet(path / "data"):
                     loaded = datasets.load_dataset("parquet", data_dir=str(path))
                 else:
                     loaded = datasets.load_from_disk(str(path))
@@ -303,7 +421,7 @@ class HFSource(Source):
         prints = ",".join(f"{n}={getattr(splits[n], '_fingerprint', '')}" for n in splits)
         return f"hf:{self.spec}:{prints}"
 
-    def listing(self, node: int = 0, nodes: int = 1) -> Listing:
+    def list_entries(self, node: int = 0, nodes: int = 1) -> Listing:
         splits = self._load()
         train_name = self.data_split or "train"
         val_name = self.val_split or next((n for n in VAL_SPLITS if n in splits), None)
@@ -469,7 +587,7 @@ class WebDatasetSource(Source):
         os.replace(tmp, kept)
         return rows
 
-    def listing(self, node: int = 0, nodes: int = 1) -> Listing:
+    def list_entries(self, node: int = 0, nodes: int = 1) -> Listing:
         shards = self._shards(node, nodes)
         entries: list[
             tuple[int, str, int, int, str, int]

@@ -27,8 +27,9 @@ def already_checked() -> bool:
 def preflight(cfg: TrainConfig, world: int) -> None:
     """What every rank would otherwise find wrong at once, checked here, for a job of
     ``world`` processes."""
-    from paratrain.data.folder import build_split
+    from paratrain.data.folder import validation_side
     from paratrain.data.loaders import source_of
+    from paratrain.data.sources import offer
     from paratrain.engine.run_dir import check_run_dir_free
 
     check_settings(cfg, world)
@@ -36,7 +37,9 @@ def preflight(cfg: TrainConfig, world: int) -> None:
     check_run_dir_free(cfg)
     source = source_of(cfg)
     if not source.sharded:  # shards are listed by the nodes that read them
-        build_split(source, cfg.val_fraction, cfg.split_seed)
+        listing = source.listing()
+        validation_side(listing, source, cfg.val_fraction, cfg.split_seed)  # can split
+        offer(source, listing)  # the run's processes read it rather than list again
     if cfg.weights:
         from paratrain.models.registry import read_state_dict
 
