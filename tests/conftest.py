@@ -17,13 +17,16 @@ from imagefolders import make_image_folder  # noqa: E402
 
 def pytest_configure(config):
     """Caches of this test session in a folder of its own, not the user's: paratrain's
-    (decoded images, the screen's verdicts, the digits set) and Hugging Face's."""
+    (decoded images, the screen's verdicts, the digits set), torch hub's and Hugging
+    Face's."""
     import tempfile
 
     root = Path(tempfile.mkdtemp(prefix="paratrain-tests-"))
     os.environ["PARATRAIN_CACHE"] = str(root / "paratrain")
     os.environ["HF_HOME"] = str(root / "huggingface")
     os.environ["HF_DATASETS_CACHE"] = str(root / "huggingface" / "datasets")
+    os.environ["TORCH_HOME"] = str(root / "torch")  # torch.hub's weights files
+    os.environ["HF_HUB_OFFLINE"] = "1"  # the suite runs offline; a fetch test serves its own
 
 
 @pytest.fixture(autouse=True)

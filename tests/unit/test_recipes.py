@@ -190,7 +190,7 @@ class SimpleRuntime:
 
 
 def test_each_shipped_recipe_holds_the_values_it_cites():
-    assert set(shipped_recipes()) == {"torchvision-resnet50-v2", "flower-photos"}
+    assert set(shipped_recipes()) == {"torchvision-resnet50-v2", "flower-photos", "fine-tune"}
     tv = read_recipe("torchvision-resnet50-v2")
     # torchvision's published command: 8 GPUs x batch 128, --lr 0.5 (global), ...
     published = {

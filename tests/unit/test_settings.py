@@ -100,7 +100,13 @@ def _other(value):
         return value + 3
     if isinstance(value, float):
         return round(value / 2, 6) if value else 0.25
-    return {"resnet18": "resnet34"}[value]
+    return {
+        "resnet18": "resnet34",
+        "bilinear": "bicubic",
+        "bicubic": "bilinear",
+        "0.485,0.456,0.406": "0.5,0.5,0.5",
+        "0.229,0.224,0.225": "0.25,0.25,0.25",
+    }[value]
 
 
 def _resolved(argv: list[str]) -> TrainConfig:
@@ -109,10 +115,16 @@ def _resolved(argv: list[str]) -> TrainConfig:
 
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.name)
 def test_a_preset_fills_what_was_not_given_by_flag_or_by_file_alike(preset, folder, tmp_path):
-    trigger = {"adamw": {"opt": "adamw", "data": str(folder)}, "digits": {}}[preset.name]
+    trigger = {
+        "adamw": {"opt": "adamw", "data": str(folder)},
+        "digits": {},
+        "weights": {"model": "resnet50", "weights": "IMAGENET1K_V2", "data": str(folder)},
+    }[preset.name]
     trigger_flags = [x for k, v in trigger.items() for x in (f"--{k}", str(v))]
     left_out = _resolved(trigger_flags)
-    for key, preset_value in preset.values.items():
+    offered = preset.values_for(left_out.to_dict())
+    assert offered
+    for key, preset_value in offered.items():
         assert getattr(left_out, key) == preset_value, key
         value = _other(preset_value)
         by_flag = _resolved([*trigger_flags, f"--{key.replace('_', '-')}", str(value)])

@@ -380,7 +380,7 @@ def range_test(cfg: TrainConfig, steps: int, plot: Path | None, say) -> Choice[f
             batch = next(batches)
         lr = RANGE[0] * ratio**step
         for group in stepper.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
         result = train_step(stepper, [batch], 1)
         lrs.append(lr)
         losses.append(float(result.sums[0] / result.sums[2]))

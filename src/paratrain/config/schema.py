@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import re
 import types
 import typing
@@ -38,8 +39,9 @@ class Rule:
     high_open: bool = False
     pattern: str | None = None  # a string must match this regular expression
     pattern_text: str = ""  # what the pattern means, for messages
-    path: str | None = None  # "file", "dir", "entry" (either) or "data" (a dir, or a
-    # scheme: hf:NAME, wds:PATTERN): must exist (check_paths)
+    path: str | None = None  # "file", "dir", "entry" (either), "data" (a dir, or a
+    # scheme: hf:NAME, wds:PATTERN) or "weights" (a file, or a name: looks_like_file):
+    # must exist (check_paths)
     auto: bool = False  # also accepts the word "auto"
     empty_ok: bool = False  # a string may be empty
     default_text: str = ""  # how the default reads when it is computed, not a value
@@ -272,6 +274,22 @@ def check(options: Any) -> None:
 
 
 DATA_SCHEMES = ("hf:", "wds:")  # --data that is not a folder (data/sources.py)
+WEIGHTS_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".ckpt", ".tar")
+
+
+def looks_like_file(weights: str) -> bool:
+    """Whether --weights names a file (else a name its model's registry resolves:
+    DEFAULT, IMAGENET1K_V2, pretrained, timm/resnet50.a1_in1k)."""
+    path = Path(weights).expanduser()
+    if weights.startswith("timm/") and not path.exists():
+        return False
+    return (
+        path.exists()
+        or "/" in weights
+        or os.sep in weights
+        or weights.startswith(("~", "."))
+        or path.suffix.lower() in WEIGHTS_SUFFIXES
+    )
 
 
 def check_paths(options: Any) -> None:
@@ -282,8 +300,10 @@ def check_paths(options: Any) -> None:
             continue
         if s.rule.path == "data" and value.startswith(DATA_SCHEMES):
             continue  # a dataset name or a shard pattern: its source checks it
+        if s.rule.path == "weights" and not looks_like_file(value):
+            continue  # a name: models/pretrained.py resolves it
         path = Path(value).expanduser()
-        if s.rule.path == "file" and not path.is_file():
+        if s.rule.path in ("file", "weights") and not path.is_file():
             what = "is a directory, not a file" if path.is_dir() else "does not exist"
             raise UserError(f"{s.flag} file {what}: {value}")
         if s.rule.path == "entry" and not path.exists():

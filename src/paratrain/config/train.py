@@ -9,6 +9,7 @@ value and every cross-field rule is checked before any work.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,15 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
-from paratrain.config.schema import Options, build, check_paths, coerce_all, read_yaml, setting
+from paratrain.config.schema import (
+    Options,
+    build,
+    check_paths,
+    coerce_all,
+    looks_like_file,
+    read_yaml,
+    setting,
+)
 from paratrain.errors import UserError
 
 OPTIMIZERS = ("sgd", "adamw", "lars", "lamb")
@@ -26,6 +35,12 @@ DEVICE = r"cpu|cuda(:\d{1,3})?"
 DEVICE_TEXT = "cpu, cuda or cuda:N"
 RUN_NAME = r"[^/\\\0]+"  # one folder name: no separators
 MAX_IMAGE_SIZE = 4096
+INTERPOLATIONS = ("bilinear", "bicubic")  # how images are resized
+TIMM_PREFIX = "timm/"  # --model timm/<name>: a timm model
+NUMBERS3 = r"\s*[0-9.eE+-]+\s*,\s*[0-9.eE+-]+\s*,\s*[0-9.eE+-]+\s*"  # R,G,B
+# what a named --weights brings (mean, std, sizes, interpolation): its registry's
+# metadata, read by the models package (config never imports it)
+WEIGHTS_PREPROCESSING = "paratrain.models.pretrained:preprocessing"
 MAX_SECONDS = 30 * 24 * 3600  # a time limit longer than this is a mistake (and overflows)
 
 
@@ -146,7 +161,27 @@ class TrainConfig(Options):
         default_text="--image-size",
     )
     interpolation: str = setting(
-        "bilinear", "how images are resized", group="data", choices=("bilinear", "bicubic")
+        "bilinear",
+        "how images are resized",
+        group="data",
+        choices=INTERPOLATIONS,
+        default_text="the weights', else bilinear",
+    )
+    mean: str | None = setting(
+        None,
+        "per-channel mean the images are normalised with, R,G,B in 0..1",
+        group="data",
+        pattern=NUMBERS3,
+        pattern_text="three numbers separated by commas",
+        default_text="the weights', else ImageNet's 0.485,0.456,0.406",
+    )
+    std: str | None = setting(
+        None,
+        "per-channel standard deviation the images are normalised with, R,G,B",
+        group="data",
+        pattern=NUMBERS3,
+        pattern_text="three numbers separated by commas",
+        default_text="the weights', else ImageNet's 0.229,0.224,0.225",
     )
     bad_images: str = setting(
         "error",
@@ -200,10 +235,14 @@ class TrainConfig(Options):
     )
     weights: str | None = setting(
         None,
-        "local state dict or paratrain checkpoint to start from",
+        "weights to start from: a name from torchvision's weights registry (IMAGENET1K_V1, "
+        "ResNet50_Weights.IMAGENET1K_V2; pretrained: the model's best) or, for "
+        "timm/<model>, pretrained or a tag (a1_in1k), fetched once into the hub caches; "
+        "or a local state dict or paratrain checkpoint. Tensors that do not fit (the "
+        "head) are left out and reported",
         group="model",
-        path="file",
-        metavar="FILE",
+        path="weights",
+        metavar="NAME|FILE",
         resume="quiet",
     )
     weights_strict: bool = setting(
@@ -218,6 +257,33 @@ class TrainConfig(Options):
         group="model",
         resume="fixed",
         resume_why="its optimizer state covers other parameters",
+    )
+    freeze_epochs: int = setting(
+        0,
+        "train only the classifier head for the first K epochs (the backbone's BatchNorm "
+        "statistics kept), then everything",
+        group="model",
+        low=0,
+    )
+    head_lr_mult: float = setting(
+        1.0,
+        "the classifier head's learning rate, as a multiple of the others'",
+        group="model",
+        low=0.0,
+        low_open=True,
+        resume="fixed",
+        resume_why="its optimizer's parameter groups follow it",
+    )
+    layer_decay: float | None = setting(
+        None,
+        "layer-wise learning-rate decay: each block's rate is this times the next one's, "
+        "from the head down to the stem (e.g. 0.75 for ViTs and ConvNeXts)",
+        group="model",
+        low=0.0,
+        high=1.0,
+        low_open=True,
+        resume="fixed",
+        resume_why="its optimizer's parameter groups follow it",
     )
     # optimisation
     epochs: int = setting(10, "passes over the training images", group="optimisation", low=1)
@@ -589,6 +655,13 @@ class TrainConfig(Options):
             raise UserError("--warmup-epochs and --warmup-steps are alternatives; give one")
         if self.sched == "multistep" and not self.lr_milestones:
             raise UserError("--sched multistep needs --lr-milestones (e.g. 30,60,80)")
+        if self.freeze_epochs and self.freeze_backbone:
+            raise UserError(
+                "--freeze-epochs thaws the backbone after K epochs and --freeze-backbone "
+                "never does; give one"
+            )
+        if self.std and min(triple(self.std)) <= 0:
+            raise UserError(f"--std {self.std}: every channel's deviation must be above 0")
         if self.val_resize is not None and self.val_resize < self.eval_crop:
             raise UserError(
                 f"--val-resize {self.val_resize} is smaller than the validation crop "
@@ -642,6 +715,16 @@ class TrainConfig(Options):
         validation needs (validation's resize, unless training crops need more)."""
         return max(self.eval_resize, resize_for_crop(self.train_size))
 
+    @property
+    def norm_mean(self) -> tuple[float, float, float]:
+        """The per-channel mean images are normalised with (ImageNet's by default)."""
+        return triple(self.mean) if self.mean else IMAGENET_MEAN
+
+    @property
+    def norm_std(self) -> tuple[float, float, float]:
+        """The per-channel standard deviation images are normalised with."""
+        return triple(self.std) if self.std else IMAGENET_STD
+
     def milestone_list(self) -> list[int]:
         return [int(m) for m in (self.lr_milestones or "").split(",") if m]
 
@@ -683,6 +766,21 @@ def concrete(value: T | Literal["auto"], name: str) -> T:
     return value
 
 
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def triple(text: str) -> tuple[float, float, float]:
+    """ "R,G,B" as three floats (the setting's pattern has checked the form)."""
+    r, g, b = (float(x) for x in text.split(","))
+    return r, g, b
+
+
+def as_text(values) -> str:
+    """Three numbers as a --mean/--std value."""
+    return ",".join(f"{float(v):g}" for v in values)
+
+
 def resize_for_crop(crop: int) -> int:
     """The short side an image is resized to before a center crop of ``crop`` pixels:
     torchvision's reference 256/224."""
@@ -691,12 +789,29 @@ def resize_for_crop(crop: int) -> int:
 
 @dataclass(frozen=True)
 class Preset:
-    """Values that suit a situation, filled in where the user gave none."""
+    """Values that suit a situation, filled in where the user gave none: fixed, or
+    read by a provider ("module:function" of the resolved values) where another
+    package knows them."""
 
     name: str
     applies: Callable[[dict[str, Any]], bool]  # on the values resolved so far
-    values: dict[str, Any]
-    why: str
+    values: dict[str, Any] | str
+    why: str | Callable[[dict[str, Any]], str]
+
+    def values_for(self, resolved: Mapping[str, Any]) -> dict[str, Any]:
+        if isinstance(self.values, dict):
+            return self.values
+        module, _, name = self.values.partition(":")
+        provider = getattr(importlib.import_module(module), name)
+        return dict(provider(resolved))
+
+    def reason(self, resolved: Mapping[str, Any]) -> str:
+        return self.why(dict(resolved)) if callable(self.why) else self.why
+
+
+def _named_weights(values: Mapping[str, Any]) -> bool:
+    weights = values.get("weights")
+    return isinstance(weights, str) and bool(weights) and not looks_like_file(weights)
 
 
 PRESETS = (
@@ -726,6 +841,15 @@ PRESETS = (
         {"lr": 0.001, "weight_decay": 0.05},
         "--opt adamw or lamb",
     ),
+    # Pretrained weights were trained on images prepared one way: their mean and std,
+    # resize, crop and interpolation (torchvision's weights.transforms(), timm's
+    # pretrained_cfg) are what they expect to see.
+    Preset(
+        "weights",
+        _named_weights,
+        WEIGHTS_PREPROCESSING,
+        lambda v: f"preprocessing of the weights {v['weights']}",
+    ),
 )
 
 
@@ -745,7 +869,8 @@ def resolve_train(
     for preset in PRESETS:
         if preset.applies(resolved):
             taken = {**chosen, **values}
-            resolved.update({k: v for k, v in preset.values.items() if k not in taken})
+            preset_values = preset.values_for(taken)  # from what the user chose
+            resolved.update({k: v for k, v in preset_values.items() if k not in taken})
     return TrainConfig(**resolved).validate()
 
 
@@ -795,8 +920,13 @@ def migrate_settings(values: Mapping[str, Any], source: str = "config") -> dict[
 def preset_notes(cfg: TrainConfig) -> list[str]:
     """What each applicable preset chose, as the config now has it."""
     values = cfg.to_dict()
-    return [
-        f"{p.why}; " + ", ".join(f"{k}={values[k]}" for k in p.values)
-        for p in PRESETS
-        if p.applies(values)
-    ]
+    notes = []
+    for p in PRESETS:
+        if not p.applies(values):
+            continue
+        offered = p.values_for(values)
+        taken = [f"{k}={values[k]}" for k, v in offered.items() if values[k] == v]
+        kept = [f"{k}={values[k]}" for k, v in offered.items() if values[k] != v]
+        note = f"{p.reason(values)}: " + (", ".join(taken) or "nothing taken")
+        notes.append(note + (f" (yours: {', '.join(kept)})" if kept else ""))
+    return notes

@@ -54,6 +54,7 @@ from paratrain.data.samples import Samples, as_samples
 from paratrain.data.transforms import (
     IMAGENET_MEAN,
     IMAGENET_STD,
+    INTERPOLATION,
     AugmentedSamples,
     eval_resize,
     resized_size,
@@ -78,12 +79,16 @@ def kind_of(mode: str) -> str | None:
     return {"on": RAW, RAW: RAW, PACKED: PACKED}.get(mode)
 
 
-def cache_key(samples: Samples, short_side: int, kind: str = RAW) -> str:
-    """The cache's name: a hash of the format, the kind, the stored size and every
-    entry's key, size and modification time, so changed data gets a new cache."""
+def cache_key(
+    samples: Samples, short_side: int, kind: str = RAW, interpolation: str = "bilinear"
+) -> str:
+    """The cache's name: a hash of the format, the kind, the stored size and its
+    resizing, and every entry's key, size and modification time, so changed data gets a
+    new cache."""
     quality = jpeg.QUALITY if kind == PACKED else 0
+    resizing = "" if interpolation == "bilinear" else f"-{interpolation}"
     digest = hashlib.sha256(
-        f"paratrain-cache-{CACHE_FORMAT}-{kind}-{short_side}-{quality}".encode()
+        f"paratrain-cache-{CACHE_FORMAT}-{kind}-{short_side}-{quality}{resizing}".encode()
     )
     digest.update(samples.digest().encode())
     return digest.hexdigest()[:24]
@@ -341,6 +346,7 @@ def survey(
     root: str | None,
     short: int | None = None,
     free: int | None = None,
+    interpolation: str = "bilinear",
 ) -> CachePlan:
     """The plan for ``samples`` without writing anything; ``short``: the short side
     stored (default: what evaluation at ``image_size`` needs); ``free``: bytes the
@@ -352,7 +358,7 @@ def survey(
         return CachePlan("skip", None, 0, "--cache off")
     wanted = kind_of(mode)
     for kind in [wanted] if wanted else [RAW, PACKED]:
-        directory = base / cache_key(samples, short, kind)
+        directory = base / cache_key(samples, short, kind, interpolation)
         if (directory / MANIFEST).exists() and verify(directory, len(samples), short, kind) is None:
             return CachePlan("ready", directory, DecodedCache(directory).nbytes, kind=kind)
     raw_bytes, exact = _raw_size(samples, short)
@@ -363,14 +369,15 @@ def survey(
         shapes = exact if exact is not None else _shapes(samples, short)
         nbytes = int((shapes[:, 0] * shapes[:, 1] * 3).sum())
         if wanted is None and nbytes > budget:  # the estimate was under, the count is over
-            return _packed_plan(samples, short, base, nbytes, budget, free, wanted)
+            return _packed_plan(samples, short, base, nbytes, budget, free, wanted, interpolation)
         reason = (
             ""
             if wanted
             else (f"raw pixels, {nbytes / 2**30:.2f} GB (within --cache-max-gb {max_gb:g})")
         )
-        return CachePlan("build", base / cache_key(samples, short, RAW), nbytes, reason, shapes)
-    return _packed_plan(samples, short, base, raw_bytes, budget, free, wanted)
+        directory = base / cache_key(samples, short, RAW, interpolation)
+        return CachePlan("build", directory, nbytes, reason, shapes)
+    return _packed_plan(samples, short, base, raw_bytes, budget, free, wanted, interpolation)
 
 
 def _existing(path: Path) -> Path:
@@ -381,10 +388,17 @@ def _existing(path: Path) -> Path:
 
 
 def _packed_plan(
-    samples: Samples, short: int, base: Path, raw_bytes: int, budget: float, free: int, wanted
+    samples: Samples,
+    short: int,
+    base: Path,
+    raw_bytes: int,
+    budget: float,
+    free: int,
+    wanted,
+    interpolation: str = "bilinear",
 ) -> CachePlan:
-    packed = _packed_size(samples, short, raw_bytes)
-    directory = base / cache_key(samples, short, PACKED)
+    packed = _packed_size(samples, short, raw_bytes, interpolation=interpolation)
+    directory = base / cache_key(samples, short, PACKED, interpolation)
     if wanted is None:
         over = f"raw pixels would take {raw_bytes / 2**30:.1f} GB, over --cache-max-gb {budget / 2**30:g}"
         if packed * 1.1 > free:
@@ -428,22 +442,27 @@ def _raw_size(samples: Samples, short: int) -> tuple[int, np.ndarray | None]:
     return int(total * len(samples) / max(len(rows), 1)), None
 
 
-def _packed_size(samples: Samples, short: int, raw_bytes: int, tries: int = 16) -> int:
+def _packed_size(
+    samples: Samples, short: int, raw_bytes: int, tries: int = 16, interpolation: str = "bilinear"
+) -> int:
     """Bytes the packed cache will take: raw bytes times the JPEG ratio of a few entries."""
     raw = packed = 0
     for i in _sample_rows(len(samples))[:: max(1, min(len(samples), SIZING_SAMPLE) // tries)]:
-        pixels, _ = _resized(samples, int(i), short)
+        pixels, _ = _resized(samples, int(i), short, interpolation)
         if pixels is not None:
             raw += pixels.size
             packed += len(jpeg.encode(pixels))
     return int(raw_bytes * packed / raw) if raw else raw_bytes
 
 
-def _resized(samples: Samples, i: int, short: int) -> tuple[np.ndarray | None, str | None]:
+def _resized(
+    samples: Samples, i: int, short: int, interpolation: str = "bilinear"
+) -> tuple[np.ndarray | None, str | None]:
     image, problem = read_rgb(samples.keys[i], short, samples.source)
     if image is None:
         return None, problem
-    resize = T.Resize(short, antialias=True)  # the eval transform's own
+    # the eval transform's own Resize
+    resize = T.Resize(short, interpolation=INTERPOLATION[interpolation], antialias=True)
     return np.asarray(resize(image), dtype=np.uint8), None
 
 
@@ -460,6 +479,7 @@ def prepare(
     env: DistEnv | None = None,
     short: int | None = None,
     check: bool = True,
+    interpolation: str = "bilinear",
 ) -> DecodedCache | None:
     """Open, or build, the cache of ``samples`` on every node of the job; None when off.
 
@@ -489,7 +509,7 @@ def prepare(
     while True:
         mine = None
         if env.local_rank == 0:
-            mine = _plan_node(samples, short, mode, max_gb, base)
+            mine = _plan_node(samples, short, mode, max_gb, base, interpolation)
         plans = {n: plan for n, plan in comm.all_gather_object((env.node_rank, mine)) if plan}
         for action, _, _, reason in plans.values():
             if action == "error":
@@ -518,15 +538,22 @@ def prepare(
         building = action == "build"
         bad = []
         if building:
-            bad = _build(samples, short, kind, Path(directory), workers, env)
+            bad = _build(samples, short, kind, Path(directory), workers, env, interpolation)
         bad = sorted({tuple(pair) for part in comm.all_gather_object(bad) for pair in part})
         if building and env.local_rank == 0:
-            final = base / cache_key(samples, short, kind)
+            final = base / cache_key(samples, short, kind, interpolation)
             _finish(Path(directory), final, kind, len(samples), short, bad)
         comm.barrier()
 
 
-def _plan_node(samples: Samples, short: int, mode: str, max_gb: float, base: Path) -> tuple:
+def _plan_node(
+    samples: Samples,
+    short: int,
+    mode: str,
+    max_gb: float,
+    base: Path,
+    interpolation: str = "bilinear",
+) -> tuple:
     """(action, kind, folder, why) for this node: "ready" (a valid cache), "build" (into
     a temporary folder, this process holding the lock), "wait" (another process held the
     lock: it has finished; look again), "skip" or "error" (why)."""
@@ -534,7 +561,7 @@ def _plan_node(samples: Samples, short: int, mode: str, max_gb: float, base: Pat
     wanted = kind_of(mode)
     problems = {}
     for kind in [wanted] if wanted else [RAW, PACKED]:
-        final = base / cache_key(samples, short, kind)
+        final = base / cache_key(samples, short, kind, interpolation)
         if final.exists():
             problems[kind] = verify(final, len(samples), short, kind)
             if problems[kind] is None:
@@ -554,12 +581,21 @@ def _plan_node(samples: Samples, short: int, mode: str, max_gb: float, base: Pat
         os.close(handle)
         return "wait", "", "", f"another process is building the decoded-image cache in {base}"
     for kind in [wanted] if wanted else [RAW, PACKED]:
-        final = base / cache_key(samples, short, kind)
+        final = base / cache_key(samples, short, kind, interpolation)
         if final.exists() and verify(final, len(samples), short, kind) is None:
             os.close(handle)  # finished while we looked
             return "ready", kind, str(final), ""
     free = shutil.disk_usage(base).free
-    plan = survey(samples, 0, mode, max_gb, str(base.parent), short=short, free=free)
+    plan = survey(
+        samples,
+        0,
+        mode,
+        max_gb,
+        str(base.parent),
+        short=short,
+        free=free,
+        interpolation=interpolation,
+    )
     if plan.action == "skip":
         os.close(handle)
         return "skip", "", "", plan.reason
@@ -640,8 +676,17 @@ class _Decode(Dataset):
 
     CHUNK = 16
 
-    def __init__(self, samples: Samples, ids: list[int], short: int, directory: Path, kind: str):
+    def __init__(
+        self,
+        samples: Samples,
+        ids: list[int],
+        short: int,
+        directory: Path,
+        kind: str,
+        interpolation: str = "bilinear",
+    ):
         self.samples, self.directory, self.short, self.kind = samples, directory, short, kind
+        self.interpolation = interpolation
         self.chunks = [ids[k : k + self.CHUNK] for k in range(0, len(ids), self.CHUNK)]
         self.index = np.load(directory / "index.npy") if kind == RAW else None
         self._data: np.memmap | None = None  # opened in the process that writes
@@ -652,7 +697,7 @@ class _Decode(Dataset):
     def __getitem__(self, k: int) -> list[tuple[int, str | None, tuple | None]]:
         done = []
         for i in self.chunks[k]:
-            pixels, problem = _resized(self.samples, i, self.short)
+            pixels, problem = _resized(self.samples, i, self.short, self.interpolation)
             stored = None
             if pixels is not None and self.kind == PACKED:
                 stored = (pixels.shape[0], pixels.shape[1], jpeg.encode(pixels))
@@ -670,14 +715,22 @@ class _Decode(Dataset):
 
 
 def _build(
-    samples: Samples, short: int, kind: str, directory: Path, workers: int, env: DistEnv
+    samples: Samples,
+    short: int,
+    kind: str,
+    directory: Path,
+    workers: int,
+    env: DistEnv,
+    interpolation: str = "bilinear",
 ) -> list:
     """This rank's share of its node's build: every local_world-th entry from its local
     rank on. Returns (key, why) of the unreadable."""
     local_rank, local_world = env.local_rank, env.local_world_size
     mine = list(range(local_rank, len(samples), local_world))
     loader = DataLoader(
-        _Decode(samples, mine, short, directory, kind), batch_size=None, num_workers=workers
+        _Decode(samples, mine, short, directory, kind, interpolation),
+        batch_size=None,
+        num_workers=workers,
     )
     bad, rows = [], []
     out = open(directory / f"part-{local_rank:03d}.jpg", "wb") if kind == PACKED else None
@@ -729,6 +782,8 @@ def _to_float(image: torch.Tensor) -> torch.Tensor:
     return image.float().div(255)  # as ToTensor does, so both paths agree bit for bit
 
 
-def cached_eval_transform(size: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def cached_eval_transform(
+    size: int, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """The evaluation transform on cached uint8 images: the same tensors as the decode path's."""
-    return v2.Compose([v2.CenterCrop(size), _to_float, v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    return v2.Compose([v2.CenterCrop(size), _to_float, v2.Normalize(list(mean), list(std))])

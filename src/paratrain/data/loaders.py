@@ -125,6 +125,7 @@ def prepare_data(
         workers,
         runtime.env,
         short=cfg.stored_size,
+        interpolation=cfg.interpolation,
     )
     found = cache.bad if cache is not None else None
     screened = screen(
@@ -228,10 +229,18 @@ def validation_loader(
     resize would change them, and so would a packed cache's JPEG."""
     extra: dict = {}
     if cache is not None and cache.kind == RAW and cfg.stored_size == cfg.eval_resize:
-        dataset: ImageSamples = CachedImages(samples, cache, cached_eval_transform(cfg.eval_crop))
+        transform = cached_eval_transform(cfg.eval_crop, cfg.norm_mean, cfg.norm_std)
+        dataset: ImageSamples = CachedImages(samples, cache, transform)
         extra["collate_fn"] = batched
     else:
-        dataset = eval_samples(samples, cfg.eval_crop, cfg.eval_resize, cfg.interpolation)
+        dataset = eval_samples(
+            samples,
+            cfg.eval_crop,
+            cfg.eval_resize,
+            cfg.interpolation,
+            cfg.norm_mean,
+            cfg.norm_std,
+        )
     return DataLoader(
         dataset,
         sampler=ShardedEvalSampler(len(dataset), rank, world),

@@ -20,12 +20,10 @@ from torchvision import transforms as T
 from torchvision.transforms import InterpolationMode, v2
 from torchvision.transforms.v2 import functional as F2  # uint8 fast path for resizing
 
-from paratrain.config.train import resize_for_crop
+from paratrain.config.train import IMAGENET_MEAN, IMAGENET_STD, resize_for_crop
 from paratrain.data.folder import ImageSamples, Sample, load_rgb, seeded
 from paratrain.data.samples import Samples
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 INTERPOLATION = {"bilinear": InterpolationMode.BILINEAR, "bicubic": InterpolationMode.BICUBIC}
 
 
@@ -54,6 +52,8 @@ class Augment:
     ra_magnitude: int = 9
     augmix_severity: int = 3
     random_erase: float = 0.0
+    mean: tuple[float, float, float] = IMAGENET_MEAN  # the normalisation (the weights')
+    std: tuple[float, float, float] = IMAGENET_STD
 
     @classmethod
     def of(cls, cfg) -> Augment:
@@ -67,6 +67,8 @@ class Augment:
             cfg.ra_magnitude,
             cfg.augmix_severity,
             cfg.random_erase,
+            cfg.norm_mean,
+            cfg.norm_std,
         )
 
     def policy_transform(self) -> Callable | None:
@@ -110,8 +112,8 @@ class TrainAugment:
         self.size, self.scale, self.hflip = aug.size, (aug.crop_scale_min, 1.0), aug.hflip
         self.interpolation = INTERPOLATION[aug.interpolation]
         self.policy, self.eraser = aug.policy_transform(), aug.eraser()
-        self.mean = torch.tensor(IMAGENET_MEAN).mul(255).view(3, 1, 1)
-        self.inv_std = torch.tensor(IMAGENET_STD).mul(255).reciprocal().view(3, 1, 1)
+        self.mean = torch.tensor(aug.mean).mul(255).view(3, 1, 1)
+        self.inv_std = torch.tensor(aug.std).mul(255).reciprocal().view(3, 1, 1)
 
     def crop_box(self, height: int, width: int, draws: list[float]) -> tuple[int, int, int, int]:
         """RandomResizedCrop's box (torchvision's algorithm: 10 tries, then the centre),
@@ -229,10 +231,15 @@ class DecodedSamples(AugmentedSamples):
 
 
 def eval_transform(
-    size: int, resize: int | None = None, interpolation: str = "bilinear"
+    size: int,
+    resize: int | None = None,
+    interpolation: str = "bilinear",
+    mean: Sequence[float] = IMAGENET_MEAN,
+    std: Sequence[float] = IMAGENET_STD,
 ) -> T.Compose:
     """Resize (the short side to ``resize``, default size x 256/224), center crop
-    ``size``, ImageNet normalisation: torchvision's reference evaluation preset."""
+    ``size``, normalisation (ImageNet's, or the weights'): torchvision's reference
+    evaluation preset."""
     return T.Compose(
         [
             T.Resize(
@@ -242,7 +249,7 @@ def eval_transform(
             ),
             T.CenterCrop(size),
             T.ToTensor(),
-            T.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+            T.Normalize(list(mean), list(std)),
         ]
     )
 
@@ -252,8 +259,11 @@ def eval_samples(
     size: int,
     resize: int | None = None,
     interpolation: str = "bilinear",
+    mean: Sequence[float] = IMAGENET_MEAN,
+    std: Sequence[float] = IMAGENET_STD,
 ) -> ImageSamples:
     """Validation images, each decoded as the cache decodes it (a JPEG at reduced scale
     where it stays at least the Resize's size; see ``open_image``) and eval-transformed."""
     resize = resize or eval_resize(size)
-    return ImageSamples(samples, eval_transform(size, resize, interpolation), at_least=resize)
+    transform = eval_transform(size, resize, interpolation, mean, std)
+    return ImageSamples(samples, transform, at_least=resize)

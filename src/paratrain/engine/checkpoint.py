@@ -34,7 +34,7 @@ from paratrain.engine import sharded
 from paratrain.engine.preempt import interrupts_deferred
 from paratrain.engine.recipe import Recipe
 from paratrain.engine.run_dir import LAST, run_dir_of
-from paratrain.engine.schedule import Schedule, peak_lr
+from paratrain.engine.schedule import Schedule, base_lr, peak_lr
 from paratrain.engine.state import Progress, gathered_rng_states, restore_rng
 from paratrain.errors import UserError
 from paratrain.files import fsync
@@ -300,7 +300,7 @@ class Checkpointer:
             processes=self.runtime.world_size,
             strategy=self.cfg.strategy,
             layout=dataclasses.asdict(self.parts.layout),
-            lr=self.optimizer.param_groups[0]["lr"],
+            lr=base_lr(self.optimizer),
             val_top1=val_top1,
             schedule=dataclasses.asdict(self.schedule),
         )

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from paratrain.config import TrainConfig
+from paratrain.config import PRESETS, TrainConfig
 from paratrain.data.folder import DataSplit
 from paratrain.distributed.env import DistEnv
 from paratrain.engine.schedule import describe_schedule, peak_lr
@@ -47,8 +47,9 @@ def run_facts(
         ),
         data=data,
         model=(
-            f"{cfg.model}, trained at {cfg.train_size}px, evaluated at {cfg.eval_crop}px "
-            f"(resized to {cfg.eval_resize})"
+            f"{cfg.model}{' from ' + cfg.weights if cfg.weights else ''}, trained at "
+            f"{cfg.train_size}px, evaluated at {cfg.eval_crop}px (resized to "
+            f"{cfg.eval_resize}, {cfg.interpolation}); {preprocessing_words(cfg)}"
         ),
         global_batch=(
             f"{cfg.batch * replicas * cfg.grad_accum} ({cfg.batch} x {replicas} replica(s){accum})"
@@ -63,6 +64,21 @@ def run_facts(
         chosen=chosen or [],
         warning=warning,
     )
+
+
+def preprocessing_words(cfg: TrainConfig) -> str:
+    """Where the normalisation and sizes came from: the named weights' metadata, the
+    user's settings, or ImageNet's statistics."""
+    values = cfg.to_dict()
+    named = [p for p in PRESETS if p.name == "weights" and p.applies(values)]
+    if not named:
+        given = "your mean/std" if cfg.mean or cfg.std else "ImageNet's mean/std"
+        return f"normalised with {given}"
+    offered = named[0].values_for(values)
+    taken = [k for k, v in offered.items() if values[k] == v]
+    kept = [k for k, v in offered.items() if values[k] != v]
+    words = f"{', '.join(taken) or 'nothing'} from the weights' metadata"
+    return words + (f", yours: {', '.join(kept)}" if kept else "")
 
 
 def data_words(cfg: TrainConfig, split: DataSplit) -> str:
@@ -106,6 +122,7 @@ def dry_run(
             cfg.cache_max_gb,
             cfg.cache_dir,
             short=cfg.stored_size,
+            interpolation=cfg.interpolation,
         )
         size = f"{plan.kind}, about {plan.nbytes / 2**30:.2f} GB"
         cache = {

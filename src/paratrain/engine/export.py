@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 
 from paratrain.config import ExportOptions
-from paratrain.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from paratrain.models.registry import check_weights_fit
 
 
@@ -55,8 +54,9 @@ def export(
         # the eval transform: RGB, resize the short side, center crop, then normalise
         "resize": cfg.eval_resize,
         "image_size": cfg.eval_crop,
-        "mean": list(IMAGENET_MEAN),
-        "std": list(IMAGENET_STD),
+        "mean": list(cfg.norm_mean),
+        "std": list(cfg.norm_std),
+        "interpolation": cfg.interpolation,
     }
     if fmt == "pt2":
         _save_program(model, cfg.eval_crop, meta, target)

@@ -73,7 +73,9 @@ def predict(
         raise UserError(f"--top-k must be at least 1, got {top_k}")
     where = choose_device(DistEnv(), device)
     model, cfg, classes = load_for_inference(checkpoint_path, where, ema)
-    transform = eval_transform(cfg.eval_crop, cfg.eval_resize, cfg.interpolation)
+    transform = eval_transform(
+        cfg.eval_crop, cfg.eval_resize, cfg.interpolation, cfg.norm_mean, cfg.norm_std
+    )
     shrink = cfg.eval_resize
     paths = collect_images(inputs)
     k = min(top_k, len(classes))

@@ -40,11 +40,11 @@ def preflight(cfg: TrainConfig, world: int) -> None:
         listing = source.listing()
         validation_side(listing, source, cfg.val_fraction, cfg.split_seed)  # can split
         offer(source, listing)  # the run's processes read it rather than list again
-    if cfg.weights:
-        from paratrain.models.registry import read_state_dict
-
-        read_state_dict(cfg.weights)
     check_extras(cfg)
+    if cfg.weights:  # named weights fetched here, once, before any worker starts
+        from paratrain.models.registry import fetch_weights
+
+        fetch_weights(cfg.model, cfg.weights)
     check_devices(cfg, world)
     check_model_input(cfg, world)
 

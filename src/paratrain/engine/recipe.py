@@ -17,6 +17,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from paratrain.config import TrainConfig
 from paratrain.engine.precision import Precision
 from paratrain.engine.schedule import peak_lr
+from paratrain.errors import AgreedUserError
 from paratrain.parallel import optim_state
 from paratrain.parallel.parts import ModelParts
 
@@ -31,6 +32,53 @@ class Recipe:
     ema: EMA | None = None
     grad_accum: int = 1
     clip_grad: float | None = None
+    freezing: Freezing | None = None  # --freeze-epochs
+
+
+class Freezing:
+    """--freeze-epochs K: for the first K epochs only the classifier head learns.
+
+    Every parameter stays in the optimizer and in the strategy's gradient reduction, so
+    nothing is rebuilt or rewrapped when the backbone thaws, under any strategy (DDP's
+    buckets, FSDP's shards and a pipeline's stages stay as they were); the backbone's
+    gradients are dropped before the optimizer steps (no update, no weight decay, no
+    momentum), and its BatchNorm layers normalise with their running statistics without
+    updating them. Whether it is frozen follows from the epoch alone, so a resumed run
+    freezes exactly as the uninterrupted one."""
+
+    def __init__(self, parts: ModelParts, epochs: int):
+        grouping = parts.grouping
+        if grouping is None or grouping.head is None:
+            raise AgreedUserError(
+                "--freeze-epochs: the model has no classifier head paratrain knows "
+                "(fc, classifier, heads, head) to keep training"
+            )
+        self.epochs, self.active = epochs, False
+        self.params: list[nn.Parameter] = []
+        for module in parts.unwrapped():
+            for name, param in module.named_parameters():
+                if not grouping.in_head(name):
+                    self.params.append(param)
+            for name, layer in module.named_modules():
+                if isinstance(layer, nn.modules.batchnorm._BatchNorm) and not grouping.in_head(
+                    name
+                ):
+                    layer.register_forward_pre_hook(self._hold)
+
+    def _hold(self, module: nn.Module, _args: tuple) -> None:
+        if self.active:
+            module.training = False
+
+    def set_epoch(self, epoch: int) -> bool:
+        """Frozen or not for ``epoch``; True where the backbone thaws at its start."""
+        self.active = epoch < self.epochs
+        return epoch == self.epochs
+
+    def drop_grads(self) -> None:
+        """The backbone's gradients gone while frozen: the optimizer skips them."""
+        if self.active:
+            for param in self.params:
+                param.grad = None
 
 
 def build_recipe(
@@ -44,19 +92,22 @@ def build_recipe(
         ema=EMA(parts, cfg.ema_decay) if cfg.ema_decay else None,
         grad_accum=cfg.grad_accum,
         clip_grad=cfg.clip_grad,
+        freezing=Freezing(parts, cfg.freeze_epochs) if cfg.freeze_epochs else None,
     )
 
 
 def param_groups(parts: ModelParts, cfg: TrainConfig) -> list[dict]:
     """The parameters that train (a frozen backbone's do not), in one group, or by kind
-    with their own weight decay (--norm-weight-decay, --bias-weight-decay)."""
-    split = optim_state.splits_decay(cfg)
+    with their own weight decay (--norm-weight-decay, --bias-weight-decay), and by
+    learning-rate scale (--head-lr-mult, --layer-decay: the schedule sets each group's
+    rate times its ``lr_scale``)."""
+    grouping = parts.grouping or optim_state.grouping(cfg)
     params: dict[str, nn.Parameter] = {}
-    kinds: dict[str, list[str]] = {}
+    found: dict[tuple[str, float], list[str]] = {}
     for module in parts.unwrapped():  # a split model's stages, in order
         params.update(dict(module.named_parameters()))
-        for kind, names in optim_state.named_groups(module, split):
-            kinds.setdefault(kind, []).extend(names)
+        for kind, scale, names in optim_state.named_groups(module, grouping):
+            found.setdefault((kind, scale), []).extend(names)
     decay = {
         "decay": cfg.weight_decay,
         "norm": cfg.norm_weight_decay,
@@ -66,9 +117,10 @@ def param_groups(parts: ModelParts, cfg: TrainConfig) -> list[dict]:
         {
             "params": [params[n] for n in names],
             "kind": kind,
+            "lr_scale": scale,
             "weight_decay": cfg.weight_decay if decay[kind] is None else decay[kind],
         }
-        for kind, names in kinds.items()
+        for (kind, scale), names in found.items()
     ]
 
 
@@ -128,6 +180,20 @@ def _is_channels_last(t: torch.Tensor | None) -> bool:
     )
 
 
+def _late_buffers(optimizer, group: dict, params: list, buffers: list) -> None:
+    """Momentum buffers for parameters that first get a gradient after the others (a
+    backbone thawed by --freeze-epochs): torch's fused kernel takes a step where some
+    buffers exist and some do not for a malformed call (reproduced in
+    tests/unit/test_upstream_cpu.py). A zero buffer is what SGD's first step starts
+    from at paratrain's dampening of 0: momentum x 0 + gradient."""
+    if group["momentum"] == 0 or all(b is None for b in buffers) or None not in buffers:
+        return
+    for i, param in enumerate(params):
+        if buffers[i] is None:
+            buffers[i] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            optimizer.state[param]["momentum_buffer"] = buffers[i]
+
+
 class StorageOrderSGD(torch.optim.SGD):
     """torch's SGD, its kernel given channels_last weights in their storage order.
 
@@ -151,6 +217,7 @@ class StorageOrderSGD(torch.optim.SGD):
             grads: list[torch.Tensor] = []
             buffers: list[torch.Tensor | None] = []
             sparse = self._init_group(group, params, grads, buffers)
+            _late_buffers(self, group, params, buffers)
             # a triple all channels_last is seen in storage order; anything else as it is
             viewed = [
                 all(_is_channels_last(t) for t in (p, g, b) if t is not None)

@@ -59,11 +59,18 @@ class Schedule:
         return self.peak * self.factor(t)
 
     def apply(self, optimizer: torch.optim.Optimizer, t: float) -> float:
-        """Set every group's rate for a step ``t`` epochs into training; returns it."""
+        """Set every group's rate for a step ``t`` epochs into training (times the
+        group's ``lr_scale``: --head-lr-mult, --layer-decay); returns the base rate."""
         lr = self.lr(t)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
         return lr
+
+
+def base_lr(optimizer: torch.optim.Optimizer) -> float:
+    """The schedule's rate now (a group's rate over its ``lr_scale``)."""
+    group = optimizer.param_groups[0]
+    return float(group["lr"]) / group.get("lr_scale", 1.0)
 
 
 def build_schedule(cfg: TrainConfig, replicas: int, steps_per_epoch: int) -> Schedule:

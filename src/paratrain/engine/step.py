@@ -86,6 +86,8 @@ def train_step(
             sums[1] += (logits.argmax(1) == labels).sum()
             sums[2] += n
     parts.after_backward()
+    if recipe.freezing is not None:  # --freeze-epochs: the backbone's gradients dropped
+        recipe.freezing.drop_grads()
     if lap is not None:
         lap("backward")
     skipped: bool | torch.Tensor = False

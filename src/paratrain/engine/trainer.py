@@ -33,7 +33,7 @@ from paratrain.engine.preempt import Interrupted, PreemptionGuard
 from paratrain.engine.preflight import check_model_input
 from paratrain.engine.recipe import Recipe, build_optimizer, build_recipe
 from paratrain.engine.run_dir import last_of_run, resolve_run
-from paratrain.engine.schedule import Schedule, build_schedule
+from paratrain.engine.schedule import Schedule, base_lr, build_schedule
 from paratrain.engine.state import Progress
 from paratrain.engine.step import Stepper
 from paratrain.engine.step import train_step as one_step
@@ -208,6 +208,9 @@ def train_epoch(run: Run, epoch: int) -> float:
     run.loaders.sampler.set_epoch(epoch, progress.consumed)  # a new order every epoch
     bar = progress_bar(run.runtime, len(run.loaders.sampler) * parts.replicas, epoch, cfg.epochs)
     run.board.start_epoch()
+    freezing = run.recipe.freezing
+    if freezing is not None and freezing.set_epoch(epoch):
+        get_logger().info(f"epoch {epoch + 1}: the backbone thaws; every layer trains")
     parts.train()
     run.optimizer.zero_grad(set_to_none=True)
     start = time.perf_counter()
@@ -240,7 +243,7 @@ def train_step(run: Run, micro_batches: Iterator, count: int) -> int:
     if result.skipped is not True:
         progress.totals += result.sums
         if run.board.writer is not None:
-            lr = run.optimizer.param_groups[0]["lr"]
+            lr = base_lr(run.optimizer)
             run.board.add(result.sums, progress.global_step + 1, lr, run.control.check_every)
     progress.step_in_epoch += 1
     progress.global_step += 1

@@ -13,37 +13,31 @@ import torchvision
 from torch import nn
 
 from paratrain.config import TrainConfig
+from paratrain.config.schema import looks_like_file
+from paratrain.config.train import TIMM_PREFIX
 from paratrain.errors import AgreedUserError, UserError
 from paratrain.log import get_logger
+from paratrain.models import pretrained
+from paratrain.models.pretrained import timm_module
 
 # Prefixes that wrappers add to parameter names: DDP/DataParallel and torch.compile.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
-TIMM = "timm/"  # --model timm/<name>: a timm model (pip install 'paratrain[timm]')
-
-
-def _timm():
-    try:
-        import timm
-    except ImportError:
-        raise UserError(
-            "--model timm/...: timm is not installed (pip install 'paratrain[timm]')"
-        ) from None
-    return timm
+TIMM = TIMM_PREFIX  # --model timm/<name>: a timm model (pip install 'paratrain[timm]')
 
 
 def list_models(timm: bool = False) -> list[str]:
     """Every torchvision classification model name; with ``timm``, timm's (timm/<name>)."""
     if timm:
-        return [TIMM + name for name in _timm().list_models()]
+        return [TIMM + name for name in timm_module().list_models()]
     return sorted(torchvision.models.list_models(module=torchvision.models))
 
 
 def _create_timm(name: str, num_classes: int, image_size: int | None) -> nn.Module:
-    """timm's model, randomly initialised: weights come only from a local --weights file
-    (pretrained=False: nothing is ever downloaded)."""
-    timm, arch = _timm(), name[len(TIMM) :]
+    """timm's model, randomly initialised: named weights are fetched and loaded by
+    start_from (models/pretrained.py), as every other model's."""
+    timm, arch = timm_module(), name[len(TIMM) :]
     if not timm.is_model(arch):
         close = timm.list_models(f"*{arch.split('_')[0]}*")[:6]
         hint = f"; similar: {', '.join(TIMM + c for c in close)}" if close else ""
@@ -214,6 +208,43 @@ def freeze_backbone(model: nn.Module, name: str = "") -> tuple[str, int, int]:
     return head, trained, sum(p.numel() for p in model.parameters())
 
 
+def fetch_weights(name: str, weights: str) -> None:
+    """A weights file read, or named weights resolved and fetched onto this machine:
+    what the launcher does once before any worker starts."""
+    if looks_like_file(weights):
+        read_state_dict(weights)
+        return
+    read_state_dict(pretrained.resolve(name, weights).fetch())
+
+
+def start_from(
+    model: nn.Module, name: str, weights: str, strict: bool = False, classes: int | None = None
+) -> LoadReport:
+    """``weights`` (a name its registry resolves and fetches, or a file) into ``model``,
+    partially: what was loaded, left out and left as initialised is reported, and so is
+    a new head sized to the data's classes."""
+    if looks_like_file(weights):
+        state, label = read_state_dict(weights), weights
+    else:
+        named = pretrained.resolve(name, weights)
+        state = pretrained.adapt(read_state_dict(named.fetch()), model)
+        label = named.label
+    report = load_weights(model, state, strict, label)
+    get_logger().info(report.summary(label))
+    try:
+        head = classifier_head(model, name)
+    except UserError:
+        return report
+    replaced = [(k, why) for k, why in report.skipped if k.startswith(head + ".")]
+    if replaced:
+        outputs = state[replaced[0][0]].shape[0]
+        size = f"{classes} outputs, one per class of the data" if classes else "new outputs"
+        get_logger().info(
+            f"new head `{head}` with {size}; the weights' {outputs}-output head left out"
+        )
+    return report
+
+
 def build_model(
     cfg: TrainConfig, num_classes: int, device: torch.device | None = None
 ) -> nn.Module:
@@ -228,9 +259,7 @@ def build_model(
         with torch.device(device) if device is not None else contextlib.nullcontext():
             model = create_model(cfg.model, num_classes, cfg.train_size)
         if cfg.weights and not meta:
-            weights = read_state_dict(cfg.weights)
-            report = load_weights(model, weights, cfg.weights_strict, cfg.weights)
-            get_logger().info(report.summary(cfg.weights))
+            start_from(model, cfg.model, cfg.weights, cfg.weights_strict, num_classes)
     except UserError as exc:
         raise AgreedUserError(str(exc)) from None
     if cfg.freeze_backbone:

@@ -214,7 +214,7 @@ class FSDP(Strategy):
         from torch.distributed.fsdp import fully_shard
 
         layout = self.layout(cfg, runtime.world_size, runtime.rank, runtime.env.local_world_size)
-        full_names = optim_state.trainable_names(model, optim_state.splits_decay(cfg))
+        full_names = optim_state.trainable_names(model, optim_state.grouping(cfg, model))
         full = model.state_dict() if runtime.rank == 0 else {}  # rank 0's values, kept
         mesh = self.mesh(runtime, layout)
         precision = Policies(model, cfg, runtime)

@@ -8,6 +8,9 @@ their local optimizer state through parameter names: index -> name -> index.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,26 +26,128 @@ NORM_LAYERS = (
 )
 
 
-def named_groups(model: nn.Module, split: bool = False) -> list[tuple[str, list[str]]]:
-    """The optimizer's parameter groups by name, in the model's order within each: one
-    ("decay"), or, ``split`` (--norm-weight-decay, --bias-weight-decay), the other layers'
-    weights ("decay"), normalisation layers' weights and biases ("norm"), the other
-    layers' biases ("bias"). Every strategy groups alike, so the checkpoint's optimizer
-    indexing is one."""
-    if not split:
-        return [("decay", [name for name, p in model.named_parameters() if p.requires_grad])]
+@dataclass(frozen=True)
+class Grouping:
+    """How the optimizer groups the parameters: by kind for weight decay
+    (--norm-weight-decay, --bias-weight-decay), and by learning-rate scale (--head-lr-mult,
+    --layer-decay). Made once from the whole model (a pipeline stage alone cannot tell a
+    block's depth), so every strategy and every checkpoint index the parameters alike."""
+
+    by_kind: bool = False
+    scales: Mapping[str, float] = field(default_factory=dict)  # name -> lr scale (else 1)
+    head: str | None = None  # the classifier head's path, where the model has one
+
+    def scale(self, name: str) -> float:
+        return self.scales.get(name, 1.0)
+
+    def in_head(self, name: str) -> bool:
+        return self.head is not None and (name == self.head or name.startswith(self.head + "."))
+
+
+def grouping(cfg, model: nn.Module | None = None) -> Grouping:
+    """The grouping ``cfg`` asks for, over ``model`` (the whole, unwrapped model)."""
+    by_kind = splits_decay(cfg)
+    if model is None:
+        return Grouping(by_kind)
+    from paratrain.errors import UserError
+    from paratrain.models.registry import classifier_head
+
+    try:
+        head: str | None = classifier_head(model, cfg.model)
+    except UserError:
+        head = None
+    names = [name for name, _ in model.named_parameters()]
+    decay, mult = getattr(cfg, "layer_decay", None), getattr(cfg, "head_lr_mult", 1.0)
+    scales = lr_scales(names, head, decay, mult) if decay or mult != 1.0 else {}
+    return Grouping(by_kind, scales, head)
+
+
+INDEX = re.compile(r"\d+|.*\D\d+")  # layer1, 0, encoder_layer_3, s2: a block's index
+CONTAINERS = ("blocks", "layers")  # stages.1.blocks.2 (timm): the index goes on
+
+
+def block_of(name: str) -> tuple[str, bool]:
+    """The block a parameter belongs to, by its name: above the module that owns it,
+    the path up to the first index and the plain numbers after it (layer1.0,
+    features.3.1, blocks.7, encoder.layers.encoder_layer_3, stages.1.blocks.2), and
+    whether it is one; else the module that owns it (conv1, patch_embed.proj,
+    encoder.ln)."""
+    parts = name.split(".")
+    inner = len(parts) - 2  # the components above the module that owns the parameter
+    for i, part in enumerate(parts[:inner]):
+        if INDEX.fullmatch(part):
+            end = i + 1
+            while end < inner:
+                if parts[end].isdigit():
+                    end += 1
+                elif parts[end] in CONTAINERS and end + 1 < inner and parts[end + 1].isdigit():
+                    end += 2
+                else:
+                    break
+            return ".".join(parts[:end]), True
+    return ".".join(parts[:-1]) or name, False
+
+
+def lr_scales(
+    names: list[str], head: str | None, layer_decay: float | None, head_mult: float = 1.0
+) -> dict[str, float]:
+    """Each parameter's learning-rate scale (those other than 1): the head's
+    ``head_mult``; with ``layer_decay``, a block ``d`` blocks below the head
+    ``layer_decay ** d`` (timm's layer decay). Consecutive parameters outside any block
+    (a stem, a ViT's embeddings) are one layer; the first block after them the next."""
+    in_head = Grouping(head=head).in_head
+    layer, depth, last, last_indexed = {}, -1, None, True
+    for name in names:
+        if in_head(name):
+            continue
+        block, indexed = block_of(name)
+        if block != last and (indexed or last_indexed or depth < 0):
+            depth += 1
+        layer[name], last, last_indexed = depth, block, indexed
+    top = depth + 1  # the head's layer
+    scales = {}
+    for name in names:
+        scale = head_mult if in_head(name) else (layer_decay or 1.0) ** (top - layer[name])
+        if scale != 1.0:
+            scales[name] = scale
+    return scales
+
+
+def named_groups(
+    model: nn.Module, split: bool | Grouping = False
+) -> list[tuple[str, float, list[str]]]:
+    """The optimizer's parameter groups by name, in the model's order within each, as
+    (kind, lr scale, names): one ("decay"), or, grouped by kind (--norm-weight-decay,
+    --bias-weight-decay), the other layers' weights ("decay"), normalisation layers'
+    weights and biases ("norm"), the other layers' biases ("bias"); each kind divided
+    by learning-rate scale where --head-lr-mult or --layer-decay give some. Every
+    strategy groups alike, so the checkpoint's optimizer indexing is one."""
+    grouping = split if isinstance(split, Grouping) else Grouping(bool(split))
     kinds: dict[str, list[str]] = {"decay": [], "norm": [], "bias": []}
-    seen: set[int] = set()
-    for prefix, module in model.named_modules():
-        for name, param in module.named_parameters(recurse=False):
-            if not param.requires_grad or id(param) in seen:
-                continue
-            seen.add(id(param))
-            kind = (
-                "norm" if isinstance(module, NORM_LAYERS) else "bias" if name == "bias" else "decay"
-            )
-            kinds[kind].append(f"{prefix}.{name}" if prefix else name)
-    return [(kind, names) for kind, names in kinds.items() if names]
+    if not grouping.by_kind:
+        kinds["decay"] = [name for name, p in model.named_parameters() if p.requires_grad]
+    else:
+        seen: set[int] = set()
+        for prefix, module in model.named_modules():
+            for name, param in module.named_parameters(recurse=False):
+                if not param.requires_grad or id(param) in seen:
+                    continue
+                seen.add(id(param))
+                kind = (
+                    "norm"
+                    if isinstance(module, NORM_LAYERS)
+                    else "bias"
+                    if name == "bias"
+                    else "decay"
+                )
+                kinds[kind].append(f"{prefix}.{name}" if prefix else name)
+    groups = []
+    for kind, names in kinds.items():
+        by_scale: dict[float, list[str]] = {}
+        for name in names:
+            by_scale.setdefault(grouping.scale(name), []).append(name)
+        groups += [(kind, scale, members) for scale, members in by_scale.items()]
+    return groups
 
 
 def splits_decay(cfg) -> bool:
@@ -50,9 +155,9 @@ def splits_decay(cfg) -> bool:
     return cfg.norm_weight_decay is not None or cfg.bias_weight_decay is not None
 
 
-def trainable_names(model: nn.Module, split: bool = False) -> list[str]:
+def trainable_names(model: nn.Module, split: bool | Grouping = False) -> list[str]:
     """The order an optimizer over ``model``'s trainable parameters indexes them in."""
-    return [name for _, names in named_groups(model, split) for name in names]
+    return [name for _, _, names in named_groups(model, split) for name in names]
 
 
 def by_name(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
@@ -72,7 +177,8 @@ def by_index(named: dict[str, Any], names: list[str]) -> dict[str, Any]:
     groups = []
     for group in named["param_groups"]:
         mine = [index[name] for name in group["params"] if name in index]
-        groups.append({**group, "params": mine})
+        if mine:  # a stage holds none of some groups' parameters
+            groups.append({**group, "params": mine})
     return {
         "state": {index[name]: value for name, value in named["state"].items() if name in index},
         "param_groups": groups,
@@ -83,12 +189,12 @@ def merge_named(parts: list[dict[str, Any]], names: list[str]) -> dict[str, Any]
     """Stages' name-keyed optimizer states -> one over ``names`` (the whole model's),
     each group (by its kind) the stages' groups of that kind, in the order of ``names``."""
     state: dict[str, Any] = {}
-    merged: dict[str, dict[str, Any]] = {}
+    merged: dict[tuple[str, float], dict[str, Any]] = {}
     for part in parts:
         state.update(part["state"])
         for group in part["param_groups"]:
-            kind = group.get("kind", "decay")
-            merged.setdefault(kind, {**group, "params": []})["params"] += group["params"]
+            key = (group.get("kind", "decay"), group.get("lr_scale", 1.0))
+            merged.setdefault(key, {**group, "params": []})["params"] += group["params"]
     order = {name: i for i, name in enumerate(names)}
     groups = sorted(merged.values(), key=lambda g: min((order[n] for n in g["params"]), default=0))
     for group in groups:

@@ -24,7 +24,7 @@ from torch import nn
 
 from paratrain.config import TrainConfig
 from paratrain.distributed.runtime import Runtime
-from paratrain.parallel import get
+from paratrain.parallel import get, optim_state
 from paratrain.parallel.parts import ModelParts
 
 __all__ = ["build_parts", "parallelize"]
@@ -51,7 +51,9 @@ def parallelize(model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> ModelPa
         from paratrain.parallel import sync_batchnorm
 
         model = sync_batchnorm.apply(model, runtime)
+    grouping = optim_state.grouping(cfg, model)  # from the whole model, before it is split
     parts = strategy.wrap(model, cfg, runtime)
+    parts.grouping = grouping
     if cfg.compile:
         # compiled around DDP (not inside it): dynamo's DDPOptimizer then splits the
         # graph at DDP's bucket boundaries, so gradient all-reduce still overlaps backward

@@ -17,6 +17,7 @@ from torch import nn
 
 from paratrain.models.registry import logits_of
 from paratrain.parallel.base import Layout
+from paratrain.parallel.optim_state import Grouping
 
 
 class StepPrecision(Protocol):
@@ -62,6 +63,7 @@ class ModelParts(list):
     fixed_batch = False  # True where every training batch must have the full size
     collective_state = False  # True where gathering the state needs every rank
     fused_optimizer = True  # False where torch's fused optimizer kernels cannot run (DTensor)
+    grouping: Grouping | None = None  # the optimizer's groups, made from the whole model
 
     def __init__(
         self,
@@ -104,9 +106,11 @@ class ModelParts(list):
 
     def with_modules(self, modules: Iterable[nn.Module]) -> ModelParts:
         """The same placement around other modules (torch.compile's wrappers)."""
-        return ModelParts(
+        parts = ModelParts(
             modules, devices=self.devices, layout=self.layout, memory_format=self.memory_format
         )
+        parts.grouping = self.grouping
+        return parts
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor | None:
         """The parts' forward, each on its device (a pipeline stage before the last:

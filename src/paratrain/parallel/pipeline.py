@@ -68,7 +68,7 @@ class PipelineParts(ModelParts):
         dp_group,
         full_names,
         runtime: Runtime,
-        split: bool = False,
+        split: bool | optim_state.Grouping = False,
     ):
         # contiguous: the receive buffers for gradients would take channels_last strides,
         # which gloo and NCCL refuse (torch 2.14)
@@ -259,7 +259,8 @@ class Pipeline(Strategy):
         mesh = init_device_mesh(
             runtime.device.type, (replicas, stages), mesh_dim_names=("dp", "pp")
         )
-        full_names = optim_state.trainable_names(model, optim_state.splits_decay(cfg))
+        grouping = optim_state.grouping(cfg, model)
+        full_names = optim_state.trainable_names(model, grouping)
         try:  # the same model and flags on every rank: the same error, told once
             traced = partition.trace(model, cfg.model)
             starts = partition.user_starts(traced, stages, cfg.split_point_list(), cfg.model)
@@ -306,7 +307,7 @@ class Pipeline(Strategy):
             mesh.get_group("dp"),
             full_names,
             runtime,
-            optim_state.splits_decay(cfg),
+            grouping,
         )
 
 

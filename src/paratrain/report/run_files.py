@@ -77,6 +77,9 @@ def recipe_words(cfg: TrainConfig) -> str:
         f"{cfg.auto_augment}" if cfg.auto_augment != "none" else "",
         f"random erasing {cfg.random_erase:g}" if cfg.random_erase else "",
         f"repeated augmentation x{cfg.ra_reps}" if cfg.ra_reps > 1 else "",
+        f"backbone frozen for {cfg.freeze_epochs} epoch(s)" if cfg.freeze_epochs else "",
+        f"head lr x{cfg.head_lr_mult:g}" if cfg.head_lr_mult != 1 else "",
+        f"layer-wise lr decay {cfg.layer_decay:g}" if cfg.layer_decay else "",
     ]
     return ", ".join(w for w in words if w)
 
