@@ -134,9 +134,7 @@ def _hf_cache(root: Path, repo: str, state: dict[str, torch.Tensor]) -> Path:
     return snapshot / "model.safetensors"
 
 
-def test_timm_pretrained_loads_from_the_hugging_face_cache(
-    monkeypatch, tmp_path, capsys
-):
+def test_timm_pretrained_loads_from_the_hugging_face_cache(monkeypatch, tmp_path, capsys):
     import timm
 
     torch.manual_seed(2)
