@@ -36,6 +36,7 @@ from paratrain.config import (
 from paratrain.config.run_dirs import claim_new_name
 from paratrain.distributed.env import DistEnv, detect
 from paratrain.errors import AgreedUserError, UserError
+from paratrain.log import mark_start
 
 if TYPE_CHECKING:
     from paratrain.bench.speed import BenchResult
@@ -79,6 +80,7 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, say: Say = print) -> dict 
     cfg.validate()
     env = detect(os.environ)
     checked = preflight.already_checked()
+    mark_start(reset=not checked and env.source == "single")  # a command of its own
     if cfg.data is None:  # the embedded digits set: written once, or described unwritten
         if (found := embedded_data(cfg, env, dry_run, say)) is None:
             return None

@@ -14,9 +14,14 @@ _LOGGER_NAME = "paratrain"
 STARTED = "PARATRAIN_STARTED"  # when the command started (epoch seconds), for its processes
 
 
-def mark_start() -> None:
-    """Note now as the command's start, for this process and those it starts."""
-    os.environ.setdefault(STARTED, repr(time.time()))
+def mark_start(reset: bool = False) -> None:
+    """Note now as the command's start, for this process and those it starts; a
+    process that a launcher started keeps the launcher's (``reset``: a new command in
+    this process, such as another in-process run, starts now)."""
+    if reset:
+        os.environ[STARTED] = repr(time.time())
+    else:
+        os.environ.setdefault(STARTED, repr(time.time()))
 
 
 def since_start() -> float:

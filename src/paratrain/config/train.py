@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,7 @@ RUN_NAME = r"[^/\\\0]+"  # one folder name: no separators
 MAX_IMAGE_SIZE = 4096
 INTERPOLATIONS = ("bilinear", "bicubic")  # how images are resized
 TIMM_PREFIX = "timm/"  # --model timm/<name>: a timm model
+DURATION = r"(\d+(\.\d+)?[smh])+"  # 90s, 15m, 2h, 1h30m
 NUMBERS3 = r"\s*[0-9.eE+-]+\s*,\s*[0-9.eE+-]+\s*,\s*[0-9.eE+-]+\s*"  # R,G,B
 # what a named --weights brings (mean, std, sizes, interpolation): its registry's
 # metadata, read by the models package (config never imports it)
@@ -154,11 +156,29 @@ class TrainConfig(Options):
     )
     val_crop: int | None = setting(
         None,
-        "validation center crop in pixels",
+        "validation center crop in pixels; above the training size it evaluates at a higher "
+        "resolution than training (FixRes: objects look larger after RandomResizedCrop)",
         group="data",
         low=8,
         high=MAX_IMAGE_SIZE,
         default_text="--image-size",
+        aliases=("--val-size",),
+    )
+    progressive: str | None = setting(
+        None,
+        "progressive resizing START:END: train at START pixels for most of the run, rising "
+        "to END over its later epochs (FFCV's shape; batch and lr unchanged)",
+        group="data",
+        pattern=r"\d+:\d+",
+        pattern_text="two sizes in pixels, START:END",
+        metavar="START:END",
+        resume="fixed_mid_epoch",
+    )
+    tta: str = setting(
+        "none",
+        "test-time augmentation in evaluation: flip averages each image's logits with its mirror's",
+        group="data",
+        choices=("none", "flip"),
     )
     interpolation: str = setting(
         "bilinear",
@@ -287,6 +307,16 @@ class TrainConfig(Options):
     )
     # optimisation
     epochs: int = setting(10, "passes over the training images", group="optimisation", low=1)
+    budget: str | None = setting(
+        None,
+        "wall-clock to train in (90s, 15m, 2h, 1h30m), from the command's start: the "
+        "schedule is fitted to it from the measured step, evaluation and save times, and "
+        "the run ends on time with a last evaluation and checkpoint (--epochs: ignored)",
+        group="optimisation",
+        pattern=DURATION,
+        pattern_text="a duration such as 90s, 15m, 2h or 1h30m",
+        metavar="DURATION",
+    )
     batch_size: int | Literal["auto"] = setting(
         16,
         "per process; the global batch is this x world size; auto: the largest that fits the "
@@ -655,6 +685,17 @@ class TrainConfig(Options):
             raise UserError("--warmup-epochs and --warmup-steps are alternatives; give one")
         if self.sched == "multistep" and not self.lr_milestones:
             raise UserError("--sched multistep needs --lr-milestones (e.g. 30,60,80)")
+        if self.budget and (self.budget_seconds or 0) < 1:
+            raise UserError(f"--budget {self.budget}: give at least a second")
+        if self.progressive:
+            start, end = self.progressive_sizes
+            if not 8 <= start <= end <= MAX_IMAGE_SIZE:
+                raise UserError(
+                    f"--progressive {self.progressive}: START and END are sizes in pixels "
+                    f"from 8 to {MAX_IMAGE_SIZE}, START at most END"
+                )
+            if self.train_crop:
+                raise UserError("--progressive sets the training size; leave out --train-crop")
         if self.freeze_epochs and self.freeze_backbone:
             raise UserError(
                 "--freeze-epochs thaws the backbone after K epochs and --freeze-backbone "
@@ -696,13 +737,29 @@ class TrainConfig(Options):
 
     @property
     def train_size(self) -> int:
-        """The training crop: what the model sees in training."""
+        """The training crop: what the model sees in training (with --progressive, the
+        largest it sees)."""
+        if self.progressive:
+            return max(self.progressive_sizes)
         return self.train_crop or self.image_size
 
     @property
+    def progressive_sizes(self) -> tuple[int, int]:
+        """--progressive's START and END."""
+        start, end = (int(x) for x in (self.progressive or "0:0").split(":"))
+        return start, end
+
+    @property
+    def budget_seconds(self) -> float | None:
+        """--budget in seconds."""
+        return seconds_of(self.budget) if self.budget else None
+
+    @property
     def eval_crop(self) -> int:
-        """The validation center crop."""
-        return self.val_crop or self.image_size
+        """The validation center crop (with --progressive, its END unless given)."""
+        if self.val_crop:
+            return self.val_crop
+        return self.progressive_sizes[1] if self.progressive else self.image_size
 
     @property
     def eval_resize(self) -> int:
@@ -779,6 +836,12 @@ def triple(text: str) -> tuple[float, float, float]:
 def as_text(values) -> str:
     """Three numbers as a --mean/--std value."""
     return ",".join(f"{float(v):g}" for v in values)
+
+
+def seconds_of(duration: str) -> float:
+    """90s, 15m, 2h, 1h30m as seconds (the setting's pattern has checked the form)."""
+    unit = {"s": 1, "m": 60, "h": 3600}
+    return sum(float(n) * unit[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)([smh])", duration))
 
 
 def resize_for_crop(crop: int) -> int:

@@ -155,6 +155,35 @@ class Loaders:
     def cached(self) -> bool:
         return self.cache is not None
 
+    @property
+    def train_size(self) -> int:
+        """The training crop the loader makes now."""
+        return _augment_of(self.train.dataset).size
+
+    def train_at(self, size: int) -> None:
+        """Training crops of ``size`` pixels from the next epoch on (--progressive): the
+        augmentation resized and the loader made anew, so its worker processes start with
+        it (persistent workers keep the copy they were started with)."""
+        if size == self.train_size:
+            return
+        _augment_of(self.train.dataset).size = size
+        old = self.train
+        self.train = DataLoader(
+            old.dataset,
+            batch_sampler=old.batch_sampler,
+            num_workers=old.num_workers,
+            pin_memory=old.pin_memory,
+            persistent_workers=old.persistent_workers,
+            collate_fn=old.collate_fn,
+        )
+        del old  # its workers end with it
+
+
+def _augment_of(dataset) -> TrainAugment:
+    augment = getattr(dataset, "augment", None) or dataset.transform
+    assert isinstance(augment, TrainAugment)
+    return augment
+
 
 def make_loaders(
     cfg: TrainConfig,

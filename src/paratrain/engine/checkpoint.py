@@ -38,7 +38,7 @@ from paratrain.engine.schedule import Schedule, base_lr, peak_lr
 from paratrain.engine.state import Progress, gathered_rng_states, restore_rng
 from paratrain.errors import UserError
 from paratrain.files import fsync
-from paratrain.log import get_logger
+from paratrain.log import get_logger, since_start
 from paratrain.parallel.parts import ModelParts
 
 FORMAT = 2  # 1: paratrain 0.1's flat dict (no "format" key); 2: typed parts
@@ -242,12 +242,14 @@ class Checkpointer:
         self.cfg, self.dir, self.runtime = cfg, run_dir / "checkpoints", runtime
         self.parts, self.optimizer, self.schedule = parts, optimizer, schedule
         self.classes, self.recipe = classes, recipe
+        self.spent_before = 0.0  # the wall-clock earlier runs of a resumed one spent
 
     def save(self, progress: Progress, val_top1: float | None = None) -> None:
         """A collective: every rank calls it. Sharded strategies write their shards each
         (folders last/, best/, epoch-NNNN/); the others hand rank 0 the whole state,
         which it writes as one file (last.pt, best.pt, epoch-NNNN.pt). Ctrl-C meanwhile
         takes effect once the checkpoint is written."""
+        progress.seconds = self.spent_before + since_start()  # rank 0's is kept
         with interrupts_deferred():
             self._save(progress, val_top1)
 

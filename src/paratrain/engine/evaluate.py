@@ -52,7 +52,7 @@ class EvalResult:
 
 
 def _full_batch_logits(
-    model: nn.Module | ModelParts, images: torch.Tensor, batch_size: int | None
+    model: nn.Module | ModelParts, images: torch.Tensor, batch_size: int | None, tta: bool = False
 ) -> torch.Tensor | None:
     """A short last batch is padded to the loader's batch size (repeating its last image)
     and the padding dropped: math libraries pick kernels by batch size, and a kernel
@@ -63,6 +63,10 @@ def _full_batch_logits(
         padded = torch.cat([images, images[-1:].expand(batch_size - n, *images.shape[1:])])
         images = padded.contiguous(memory_format=_format_of(images))
     output = model(images)
+    if tta:  # --tta flip: the mirror's logits averaged in (every stage runs both)
+        mirrored = model(images.flip(-1).contiguous(memory_format=_format_of(images)))
+        if output is not None and mirrored is not None:
+            return (logits_of(output).float() + logits_of(mirrored).float())[:n] / 2
     if output is None:  # a pipeline stage before the last: the last one counts
         return None
     return logits_of(output)[:n].float()
@@ -80,9 +84,11 @@ def evaluate(
     device: torch.device,
     num_classes: int,
     detailed: bool = False,
+    tta: bool = False,
 ) -> EvalResult:
     """Loss, top-1 and top-5 over every rank's shard; with ``detailed``, also the confusion
-    matrix and every sample's prediction (dataset indices from the loader's sampler)."""
+    matrix and every sample's prediction (dataset indices from the loader's sampler);
+    with ``tta``, each image's logits averaged with its mirror's."""
     was_training = model.training
     model.eval()
     k = 5 if num_classes >= 5 else None
@@ -96,7 +102,7 @@ def evaluate(
     for images, labels in loader:
         images = images.to(device, non_blocking=True, memory_format=fmt)
         labels = labels.to(label_device, non_blocking=True)
-        logits = _full_batch_logits(model, images, loader.batch_size)
+        logits = _full_batch_logits(model, images, loader.batch_size, tta)
         if logits is None:
             continue
         losses.append(nn.functional.cross_entropy(logits, labels, reduction="none").double().cpu())
@@ -214,7 +220,9 @@ def evaluate_checkpoint(job: EvalJob, opts: EvalOptions, env: DistEnv) -> dict:
         loader = validation_loader(
             split.val, saved, opts.batch_size, workers, runtime.rank, runtime.world_size
         )
-        result = evaluate(model, loader, runtime.device, len(split.classes), detailed=True)
+        result = evaluate(
+            model, loader, runtime.device, len(split.classes), True, job.saved.tta == "flip"
+        )
         report = {**result.as_dict(), "world_size": runtime.world_size}
         if runtime.is_main:
             from paratrain.report.evaluation import write_evaluation

@@ -30,7 +30,7 @@ def peak_lr(cfg: TrainConfig, replicas: int) -> float:
 @dataclass(frozen=True)
 class Schedule:
     peak: float
-    epochs: int
+    epochs: float  # a fraction where --budget ends the run inside an epoch
     kind: str = "cosine"  # cosine, step, multistep, constant
     lrf: float = 0.1  # cosine: where it ends, as a fraction of the peak
     warmup: float = 0.0  # epochs
@@ -65,6 +65,23 @@ class Schedule:
         for group in optimizer.param_groups:
             group["lr"] = lr * group.get("lr_scale", 1.0)
         return lr
+
+
+RAMP = (0.5, 0.85)  # --progressive: the share of the run where the size starts and ends rising
+
+
+def train_size_at(cfg: TrainConfig, epoch: int, epochs: float | None = None) -> int:
+    """The training crop of ``epoch`` (0-based) of ``epochs``: --progressive's START for
+    the first half of the run, rising linearly to END by 85% of it (FFCV's shape), in
+    steps of 8 pixels; without it, the one training size."""
+    if not cfg.progressive:
+        return cfg.train_size
+    start, end = cfg.progressive_sizes
+    total = epochs if epochs is not None else cfg.epochs
+    first, last = RAMP[0] * total, RAMP[1] * total
+    share = min(max((epoch - first) / max(last - first, 1e-9), 0.0), 1.0)
+    size = int(math.ceil((start + (end - start) * share) / 8) * 8)
+    return min(max(size, start), end)
 
 
 def base_lr(optimizer: torch.optim.Optimizer) -> float:

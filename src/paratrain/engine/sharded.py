@@ -160,6 +160,11 @@ def load_into(
     whatever world size and strategy saved them; ``groups``: the optimizer's param
     groups by parameter name, as saved."""
     template, _ = parts.sharded_state(optimizer)
+    saved = SafeReader(directory).read_metadata().state_dict_metadata
+    stepped = {key.rsplit("::", 1)[0] for key in saved if key.startswith(optim_state.OPTIM)}
+    for key in [k for k in template if k not in saved and k.startswith(optim_state.OPTIM)]:
+        if key.rsplit("::", 1)[0] not in stepped:  # a parameter the optimizer had not
+            del template[key]  # stepped when saved (a frozen backbone): none to load
     _check_keys(directory, template)
     dcp.load(template, storage_reader=SafeReader(directory))
     parts.load_sharded_state(optimizer, template, groups)

@@ -26,6 +26,7 @@ class Progress:
     global_step: int = 0
     skipped_steps: int = 0
     best_top1: float = -1.0
+    seconds: float = 0.0  # wall-clock the run had spent when this was saved (--budget)
     # this process's (loss x n, correct, n) over the epoch so far, where the loss is
     totals: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))
 
@@ -43,6 +44,7 @@ class Progress:
             "global_step": self.global_step,
             "skipped_steps": self.skipped_steps,
             "best_top1": self.best_top1,
+            "seconds": self.seconds,
             "totals": self.totals.detach().cpu().clone(),
         }
 
@@ -54,6 +56,7 @@ class Progress:
         self.global_step = int(state.get("global_step", 0))
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.best_top1 = float(state.get("best_top1", -1.0))
+        self.seconds = float(state.get("seconds", 0.0))
         totals = state.get("totals")
         if isinstance(totals, torch.Tensor):
             self.totals = totals.to(torch.float64).clone()

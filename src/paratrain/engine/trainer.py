@@ -9,7 +9,9 @@ back from the device: losses and counts accumulate where the model computes.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ from paratrain.distributed import comm
 from paratrain.distributed.env import DistEnv
 from paratrain.distributed.runtime import Runtime, seed_everything
 from paratrain.engine import precision as precision_module
+from paratrain.engine.budget import Budget
 from paratrain.engine.checkpoint import Checkpointer, resume
 from paratrain.engine.control import StepControl
 from paratrain.engine.describe import data_words, run_facts
@@ -33,7 +36,7 @@ from paratrain.engine.preempt import Interrupted, PreemptionGuard
 from paratrain.engine.preflight import check_model_input
 from paratrain.engine.recipe import Recipe, build_optimizer, build_recipe
 from paratrain.engine.run_dir import last_of_run, resolve_run
-from paratrain.engine.schedule import Schedule, base_lr, build_schedule
+from paratrain.engine.schedule import Schedule, base_lr, build_schedule, train_size_at
 from paratrain.engine.state import Progress
 from paratrain.engine.step import Stepper
 from paratrain.engine.step import train_step as one_step
@@ -75,6 +78,7 @@ class Run:
     board: Board
     stepper: Stepper
     first_step: float | None = None  # seconds from the command's start to its first step
+    budget: Budget | None = None  # --budget: the plan that sizes the schedule
 
 
 def train_worker(cfg: TrainConfig, env: DistEnv) -> dict:
@@ -94,18 +98,27 @@ def fit(cfg: TrainConfig, runtime: Runtime) -> dict:
     recipe, the checkpoint to resume from), then per epoch train, evaluate, step the
     schedule, save and record; then summarise. Rank 0 alone writes files and speaks."""
     run = setup(cfg, runtime)
-    if run.progress.epoch >= cfg.epochs:  # resumed from the end: nothing is rewritten
+    if run.budget is not None:  # resumed with its budget spent, or planned on from here
+        if run.budget.left() <= 0:
+            return nothing_left(cfg, run.run_dir, runtime, run.progress.epoch)
+        plan(run, max(run.schedule.epochs, run.progress.epoch + 1.0))
+    elif run.progress.epoch >= cfg.epochs:  # resumed from the end: nothing is rewritten
         return nothing_left(cfg, run.run_dir, runtime, run.progress.epoch)
     started = time.perf_counter()
     try:
         with run.control.guard, run.board:  # signals are acted on between steps
-            for epoch in range(run.progress.epoch, cfg.epochs):
+            epoch = run.progress.epoch
+            while epoch < run.cfg.epochs:  # --budget may move the end
                 epoch_start = time.perf_counter()
                 train_seconds = train_epoch(run, epoch)
                 result, averaged = validate(run)
                 record_epoch(
                     run, epoch, time.perf_counter() - epoch_start, train_seconds, result, averaged
                 )
+                if run.budget is not None:
+                    cost = time.perf_counter() - epoch_start
+                    plan(run, run.budget.after_epoch(float(epoch + 1), cost))
+                epoch += 1
     except KeyboardInterrupt:  # checkpoints are written whole or not at all: say which
         raise Interrupted(run.run_dir, last_of_run(run.run_dir)) from None
     comm.barrier()
@@ -144,6 +157,10 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
     steps = -(-len(loaders.train) // cfg.grad_accum)
     schedule = build_schedule(cfg, parts.replicas, steps)
     saver = Checkpointer(cfg, run_dir, runtime, parts, optimizer, schedule, split.classes, recipe)
+    saver.spent_before = progress.seconds
+    budget = None
+    if cfg.budget_seconds is not None:
+        budget = Budget(cfg.budget_seconds, progress.seconds, steps, len(loaders.val))
     control = StepControl(
         cfg,
         runtime,
@@ -186,6 +203,7 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
         metrics,
         board,
         Stepper(parts, optimizer, recipe, control),
+        budget=budget,
     )
 
 
@@ -211,6 +229,12 @@ def train_epoch(run: Run, epoch: int) -> float:
     freezing = run.recipe.freezing
     if freezing is not None and freezing.set_epoch(epoch):
         get_logger().info(f"epoch {epoch + 1}: the backbone thaws; every layer trains")
+    if cfg.progressive:  # --progressive: this epoch's size, over the planned length
+        size = train_size_at(cfg, epoch, run.schedule.epochs)
+        if size != run.loaders.train_size:
+            run.loaders.train_at(size)
+            get_logger().info(f"epoch {epoch + 1}: training at {size}px")
+        loader = run.loaders.train
     parts.train()
     run.optimizer.zero_grad(set_to_none=True)
     start = time.perf_counter()
@@ -229,9 +253,23 @@ def train_epoch(run: Run, epoch: int) -> float:
                 totals = progress.totals.tolist()
                 bar.set_postfix(loss=f"{totals[0] / max(totals[2], 1):.4f}")
         run.control.after_step(progress)
+        if run.budget is not None:  # --budget: plan after the first steps, end on time
+            trained = epoch + progress.consumed / run.loaders.sampler.total
+            if (planned := run.budget.after_step(trained)) is not None:
+                plan(run, planned)
+            if run.budget.done(trained):
+                break
     if bar is not None:
         bar.close()
     return time.perf_counter() - start
+
+
+def plan(run: Run, epochs: float) -> None:
+    """The schedule ends at ``epochs`` (a fraction allowed): --budget's plan."""
+    run.schedule = dataclasses.replace(run.schedule, epochs=epochs)
+    run.saver.schedule = run.schedule
+    whole = max(math.ceil(epochs - 1e-9), run.progress.epoch + 1)
+    run.cfg = run.saver.cfg = dataclasses.replace(run.cfg, epochs=whole)
 
 
 def train_step(run: Run, micro_batches: Iterator, count: int) -> int:
@@ -259,10 +297,12 @@ def validate(run: Run) -> tuple[EvalResult, EvalResult | None]:
     run.parts.agree_buffers()
     classes = len(run.split.classes)
     with run.recipe.precision.autocast():
-        result = evaluate(run.parts, run.loaders.val, run.parts.input_device, classes)
+        tta = run.cfg.tta == "flip"
+        result = evaluate(run.parts, run.loaders.val, run.parts.input_device, classes, tta=tta)
         averaged = None
         if run.recipe.ema is not None:
-            averaged = evaluate(run.recipe.ema.module, run.loaders.val, run.runtime.device, classes)
+            device = run.runtime.device
+            averaged = evaluate(run.recipe.ema.module, run.loaders.val, device, classes, tta=tta)
     return result, averaged
 
 

@@ -344,6 +344,8 @@ def check_model_input(cfg: TrainConfig, norm_batch: int) -> None:
     strategy says): checked on the meta device before any image is decoded."""
     check_input_size(cfg.model, cfg.eval_crop)
     check_input_size(cfg.model, cfg.train_size, norm_batch)
+    if cfg.progressive:  # and the smallest size it starts at
+        check_input_size(cfg.model, cfg.progressive_sizes[0], norm_batch)
 
 
 def check_weights_fit(

@@ -126,7 +126,10 @@ class FSDPParts(ModelParts):
     def load_sharded_state(
         self, optimizer: torch.optim.Optimizer, flat: dict[str, torch.Tensor], groups: list
     ) -> None:
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
 
         model, named = optim_state.unflatten(flat, groups)
         # copied into the live shards: set_model_state_dict may assign new Parameter
@@ -137,7 +140,9 @@ class FSDPParts(ModelParts):
                 if own[name] is not value:
                     own[name].copy_(value)
         named = optim_state.own_implementation(named, optimizer)
-        set_optimizer_state_dict(self[0], optimizer, named)
+        # strict=False: a parameter the optimizer had not stepped when saved (a backbone
+        # frozen by --freeze-epochs) has no state to load, as in the run that saved it
+        set_optimizer_state_dict(self[0], optimizer, named, options=StateDictOptions(strict=False))
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         """The whole optimizer state on rank 0, in the single-device layout (a collective)."""

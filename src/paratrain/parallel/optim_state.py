@@ -185,21 +185,36 @@ def by_index(named: dict[str, Any], names: list[str]) -> dict[str, Any]:
     }
 
 
-def merge_named(parts: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
-    """Stages' name-keyed optimizer states -> one over ``names`` (the whole model's),
-    each group (by its kind) the stages' groups of that kind, in the order of ``names``."""
-    state: dict[str, Any] = {}
+KINDS = ("decay", "norm", "bias")  # named_groups' order of kinds
+
+
+def merge_groups(parts: list[list[dict[str, Any]]], names: list[str]) -> list[dict[str, Any]]:
+    """Stages' name-keyed parameter groups -> the whole model's, as named_groups orders
+    them: by kind, then by learning-rate scale in the order of ``names``; each group's
+    parameters in the order of ``names``."""
     merged: dict[tuple[str, float], dict[str, Any]] = {}
-    for part in parts:
-        state.update(part["state"])
-        for group in part["param_groups"]:
+    for groups in parts:
+        for group in groups:
             key = (group.get("kind", "decay"), group.get("lr_scale", 1.0))
             merged.setdefault(key, {**group, "params": []})["params"] += group["params"]
     order = {name: i for i, name in enumerate(names)}
-    groups = sorted(merged.values(), key=lambda g: min((order[n] for n in g["params"]), default=0))
-    for group in groups:
+
+    def place(group: dict[str, Any]) -> tuple[int, int]:
+        first = min((order[n] for n in group["params"]), default=0)
+        return KINDS.index(group.get("kind", "decay")), first
+
+    ordered = sorted(merged.values(), key=place)
+    for group in ordered:
         group["params"] = sorted(group["params"], key=order.__getitem__)
-    return {"state": state, "param_groups": groups}
+    return ordered
+
+
+def merge_named(parts: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+    """Stages' name-keyed optimizer states -> one over ``names`` (the whole model's)."""
+    state: dict[str, Any] = {}
+    for part in parts:
+        state.update(part["state"])
+    return {"state": state, "param_groups": merge_groups([p["param_groups"] for p in parts], names)}
 
 
 IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")

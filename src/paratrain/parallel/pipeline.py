@@ -154,7 +154,10 @@ class PipelineParts(ModelParts):
     def load_sharded_state(
         self, optimizer: torch.optim.Optimizer, flat: dict[str, torch.Tensor], groups: list
     ) -> None:
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
 
         model, named = optim_state.unflatten(flat, groups)
         own = self[0].state_dict()  # copied into the live tensors
@@ -165,13 +168,16 @@ class PipelineParts(ModelParts):
         mine = set(self.local_names)
         named = {
             "state": named["state"],
-            "param_groups": [
+            "param_groups": [  # the groups this stage holds parameters of
                 {**g, "params": [n for n in g["params"] if n in mine]}
                 for g in named["param_groups"]
+                if any(n in mine for n in g["params"])
             ],
         }
         named = optim_state.own_implementation(named, optimizer)
-        set_optimizer_state_dict(self[0], optimizer, named)
+        # strict=False: a parameter the optimizer had not stepped when saved (a backbone
+        # frozen by --freeze-epochs) has no state to load, as in the run that saved it
+        set_optimizer_state_dict(self[0], optimizer, named, options=StateDictOptions(strict=False))
 
     def gather_groups(self, groups: list[dict]) -> list[dict]:
         """The stages' groups merged in stage order (replica 0's): the whole model's."""
@@ -179,10 +185,7 @@ class PipelineParts(ModelParts):
         if not comm.is_main():
             return []
         parts = [g for g in stages if g is not None]
-        merged = [dict(group) for group in parts[0]]
-        for i, group in enumerate(merged):
-            group["params"] = [name for part in parts for name in part[i]["params"]]
-        return merged
+        return optim_state.merge_groups(parts, self.full_names)
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         """This stage's share of a whole-model optimizer state."""
@@ -212,6 +215,11 @@ class Pipeline(Strategy):
     takes = frozenset()
 
     def check_own(self, cfg: TrainConfig, world: int | None) -> None:
+        if cfg.progressive:
+            raise UserError(
+                "--progressive: pipeline stages exchange activations of one fixed shape; "
+                "train at one --image-size, or use --strategy ddp or fsdp"
+            )
         if cfg.schedule == "1f1b" and cfg.microbatches < cfg.stages:
             raise UserError(
                 f"--schedule 1f1b needs at least as many micro-batches as stages "
