@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -22,6 +23,19 @@ import torchvision
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 from torchvision import transforms as T
+
+
+def accuracy(model, loader, distributed: bool) -> float:
+    """Validation top-1 (a DistributedSampler pads the last shard, as the textbook does)."""
+    model.eval()
+    correct = torch.zeros(2)
+    with torch.no_grad():
+        for images, labels in loader:
+            correct += torch.tensor([(model(images).argmax(1) == labels).sum(), labels.numel()])
+    if distributed:
+        dist.all_reduce(correct)
+    model.train()
+    return (correct[0] / correct[1]).item()
 
 
 def main() -> None:
@@ -33,6 +47,11 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument(
+        "--eval-every-epoch",
+        action="store_true",
+        help="evaluate after every epoch and print a JSON line with its time.time()",
+    )
     args = parser.parse_args()
 
     distributed = "RANK" in os.environ
@@ -97,6 +116,11 @@ def main() -> None:
             seen += labels.numel()
         train_seconds += time.perf_counter() - start
         scheduler.step()
+        if args.eval_every_epoch:
+            top1 = accuracy(model, val_loader, distributed)
+            if rank == 0:
+                print(json.dumps({"epoch": epoch + 1, "val_top1": top1, "time": time.time()}))
+                sys.stdout.flush()
 
     model.eval()
     correct = torch.zeros(2)

@@ -101,15 +101,15 @@ def test_sampler_reshuffles_every_epoch_and_shards_disjointly(tmp_path):
     assert (tmp_path / "runs" / "order" / "checkpoints" / "last.pt").is_file()
 
 
-def _evaluate(rank, world, data_dir, weights_path):
+def _evaluate(rank, world, data_dir, weights_path, size=16, tta=False):
     split = build_split(data_dir, val_fraction=0.5)
     model = create_model("resnet18", len(split.classes))
     model.load_state_dict(torch.load(weights_path))
-    dataset = ImageSamples(split.val, eval_transform(16))
+    dataset = ImageSamples(split.val, eval_transform(size))
     loader = DataLoader(
         dataset, batch_size=16, sampler=ShardedEvalSampler(len(dataset), rank, world)
     )
-    return evaluate(model, loader, torch.device("cpu"), len(split.classes)).as_dict()
+    return evaluate(model, loader, torch.device("cpu"), len(split.classes), tta=tta).as_dict()
 
 
 @pytest.fixture(scope="module")
@@ -129,5 +129,21 @@ def test_evaluation_counts_every_image_once_and_matches_one_process(odd_validati
     reference = in_single_process(_evaluate, data, weights)
     assert reference["count"] == 1001
     results = run_distributed(_evaluate, world, data, weights)
+    for result in results:
+        assert result == reference
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_flip_averaging_at_a_higher_resolution_counts_every_image_once(odd_validation_set, world):
+    """--tta flip and a validation size above training's (--val-size): still every
+    image once, and the same totals at every world size."""
+    data, weights = odd_validation_set
+    reference = in_single_process(_evaluate, data, weights, 24, True)
+    plain = in_single_process(_evaluate, data, weights, 24, False)
+    assert reference["count"] == plain["count"] == 1001
+    assert reference["loss"] != plain["loss"]  # the mirrors' logits were averaged in
+    results = (
+        [reference] if world == 1 else run_distributed(_evaluate, world, data, weights, 24, True)
+    )
     for result in results:
         assert result == reference

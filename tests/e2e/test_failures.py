@@ -340,3 +340,31 @@ def test_fine_tuning_freezes_thaws_and_resumes_bit_exactly(data, start_weights, 
     final = _last(root, f"ft-{name}-broken")
     _assert_bitwise_equal(final, _last(root, f"ft-{name}"))
     assert not torch.equal(final["conv1.weight"], start["conv1.weight"])  # it thawed
+
+
+def test_a_budget_ends_on_time_and_a_resumed_run_keeps_what_is_left(data):
+    """--budget 2m, stopped a third of the way and resumed: the saved checkpoint says
+    what was spent, the resumed run plans the rest, and the two together end within 5%
+    of the budget; the size grows over the run (--progressive) and evaluation averages
+    each image with its mirror (--tta flip)."""
+    root, folder = data
+    budget = 120.0
+    common = job(
+        folder, "budget", "--budget", "2m", "--progressive", "16:32", "--tta", "flip",
+        "--save-every-steps", "20", epochs=3,
+    )  # fmt: skip
+    crashed, first_wall = run(root, *common, PARATRAIN_INJECT="rank=1,step=150,kind=raise")
+    assert crashed.returncode != 0
+    assert "budget 2m: " in crashed.stdout and "epochs fit in the" in crashed.stdout
+    assert "training at 16px" in crashed.stdout
+    spent = torch.load(root / "runs/budget/checkpoints/last.pt", weights_only=False)["progress"][
+        "seconds"
+    ]
+    assert 5 < spent < first_wall
+    resumed, wall = run(root, *common, "--resume", "auto", timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "training at 32px" in resumed.stdout  # the ramp's end, in the run's last part
+    assert abs(spent + wall - budget) < 0.05 * budget, (spent, wall)
+    rows = [json.loads(r) for r in (root / "runs/budget/metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["epoch"] > 3  # --epochs gave way to the budget
+    assert rows[-1]["lr"] < rows[0]["lr"]  # the schedule ran its course

@@ -21,7 +21,8 @@ from paratrain.log import get_logger, since_start
 
 MEASURED_STEPS = 6  # steps timed before the first plan (the first one left out: warm-up)
 EVAL_COST = 1 / 3  # a batch's evaluation, as a share of its training step (forward only)
-SAFETY = 0.02  # of the budget, kept back for what the plan cannot see (exit, last write)
+SAFETY = 0.02  # of the budget, kept back for what the plan cannot see (the last write)
+EXIT = 2.0  # seconds kept back for the processes to end (measured: 2.5 s for 2 on a CPU)
 
 
 def duration(seconds: float) -> str:
@@ -48,13 +49,14 @@ class Budget:
     last_step: float | None = None
     epoch_costs: list[float] = field(default_factory=list)  # train + eval + save, per epoch
     finished: bool = False  # the planned length reached
+    largest: int = 0  # --progressive: the largest size trained at so far
 
     def elapsed(self) -> float:
         """Seconds of the budget gone: earlier runs' plus this command's so far."""
         return self.spent_before + since_start()
 
     def left(self) -> float:
-        return self.seconds * (1 - SAFETY) - self.elapsed()
+        return self.seconds * (1 - SAFETY) - EXIT - self.elapsed()
 
     def after_step(self, done: float) -> float | None:
         """Called after every step (``done``: epochs trained so far); a new plan (the
@@ -73,9 +75,10 @@ class Budget:
         """Plan again from the epoch's real cost (training, evaluation and checkpoint)."""
         self.epoch_costs.append(epoch_seconds)
         self.last_step = None  # the next epoch's first step starts a new interval
-        return self._plan(done, statistics.median(self.epoch_costs[-3:]), None)
+        cost = statistics.median(self.epoch_costs[-3:])
+        return self._plan(done, cost, f"{cost:.2f} s an epoch with its evaluation and save")
 
-    def _plan(self, done: float, epoch_seconds: float, how: str | None) -> float:
+    def _plan(self, done: float, epoch_seconds: float, how: str) -> float:
         if self.finished:  # the schedule has ended: it is never stretched again
             assert self.planned is not None
             return self.planned
@@ -84,7 +87,7 @@ class Budget:
         assert planned is not None  # rank 0's
         first = self.planned is None
         self.planned = max(planned, done)
-        if first and how is not None:
+        if first:
             get_logger().info(
                 f"budget {duration(self.seconds)}: {self.planned:.2f} epochs fit in the "
                 f"{duration(self.left())} left ({how}); the schedule ends there"

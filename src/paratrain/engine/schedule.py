@@ -124,7 +124,10 @@ def describe_schedule(peak: float, cfg: TrainConfig) -> str:
         else ""
     )
     then = {
-        "cosine": f"cosine to {peak * cfg.lrf:g} by epoch {cfg.epochs}",
+        "cosine": f"cosine to {peak * cfg.lrf:g} by epoch {cfg.epochs}"
+        if not cfg.budget
+        else f"cosine to {peak * cfg.lrf:g} at the end of --budget {cfg.budget} (the "
+        "epochs that fit, measured in the first steps)",
         "step": f"x {cfg.lr_gamma:g} every {cfg.lr_step_size} epoch(s)",
         "multistep": f"x {cfg.lr_gamma:g} at epochs {cfg.lr_milestones}",
         "constant": "constant",

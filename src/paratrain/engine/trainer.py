@@ -231,6 +231,8 @@ def train_epoch(run: Run, epoch: int) -> float:
         get_logger().info(f"epoch {epoch + 1}: the backbone thaws; every layer trains")
     if cfg.progressive:  # --progressive: this epoch's size, over the planned length
         size = train_size_at(cfg, epoch, run.schedule.epochs)
+        if run.budget is not None:  # a moving end never takes the size back down
+            size = run.budget.largest = max(size, run.budget.largest)
         if size != run.loaders.train_size:
             run.loaders.train_at(size)
             get_logger().info(f"epoch {epoch + 1}: training at {size}px")
@@ -268,7 +270,7 @@ def plan(run: Run, epochs: float) -> None:
     """The schedule ends at ``epochs`` (a fraction allowed): --budget's plan."""
     run.schedule = dataclasses.replace(run.schedule, epochs=epochs)
     run.saver.schedule = run.schedule
-    whole = max(math.ceil(epochs - 1e-9), run.progress.epoch + 1)
+    whole = max(math.ceil(epochs - 1e-9), 1)
     run.cfg = run.saver.cfg = dataclasses.replace(run.cfg, epochs=whole)
 
 
@@ -332,6 +334,7 @@ def record_epoch(
         "train_images_per_s": totals[2] / max(train_seconds, 1e-9),
         "world_size": run.runtime.world_size,
         "first_step_s": run.first_step,
+        "since_start_s": since_start(),  # when the epoch's evaluation ended, from the command
     }
     if averaged is not None:
         row.update(val_loss_ema=averaged.loss, val_top1_ema=averaged.top1)

@@ -1,0 +1,147 @@
+"""Time to accuracy: the plain DDP loop against paratrain, from the command to a good model.
+
+Same generated photo set as benchmarks/vs_plain_loop.py (JPEGs of 400x300, 5 classes,
+80/20), same processes, model, image size, batch and epochs. Each run evaluates after
+every epoch; the clock starts when the command is launched, so start-up, decoding and
+cache building count for both. Printed: for a ladder of accuracies, the seconds each run
+first reaches it and the plain loop's time over paratrain's; then each run's best.
+
+Variants (``--variants``):
+
+* plain    — benchmarks/plain_ddp.py --eval-every-epoch (ImageFolder + PIL,
+             DistributedSampler, DDP, fp32, SGD 0.01 x world, cosine to 0)
+* defaults — ``paratrain train`` as it comes, with the same epochs
+* fast     — the defaults plus ``--progressive`` (half the size for most of the run)
+  and ``--val-size`` (evaluation 25% larger than the final training size)
+
+    python benchmarks/time_to_accuracy.py [--images 3000] [--size 64] [--epochs 8] \\
+        [--nproc 2] [--variants plain defaults fast]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from vs_plain_loop import make_folder  # noqa: E402
+
+
+def launch(command: list[str], cwd: Path, threads: int) -> tuple[float, str]:
+    """(time.time() at launch, stdout) of a command that must succeed."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PARATRAIN_NO_BAR": "1"}
+    start = time.time()
+    out = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"failed: {' '.join(command)}\n{out.stderr[-3000:]}")
+    return start, out.stdout
+
+
+def plain(data: Path, args, cwd: Path) -> list[tuple[float, float]]:
+    """(seconds from launch, val top-1) after every epoch of the plain loop."""
+    script = [
+        str(HERE / "plain_ddp.py"),
+        str(data),
+        "--image-size",
+        str(args.size),
+        "--batch-size",
+        "16",
+        "--epochs",
+        str(args.epochs),
+        "--workers",
+        "1",
+        "--eval-every-epoch",
+    ]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command = (
+        [*launcher, f"--nproc-per-node={args.nproc}", *script]
+        if args.nproc > 1
+        else [sys.executable, *script]
+    )
+    start, out = launch(command, cwd, max(1, 2 // args.nproc))
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith('{"epoch"')]
+    return [(row["time"] - start, row["val_top1"]) for row in rows]
+
+
+def paratrain(
+    data: Path, args, cwd: Path, name: str, extra: list[str]
+) -> list[tuple[float, float]]:
+    """(seconds from launch, val top-1) after every epoch of a paratrain run."""
+    command = [
+        sys.executable, "-m", "paratrain", "train", "--data", str(data),
+        "--image-size", str(args.size), "--batch-size", "16", "--epochs", str(args.epochs),
+        "--nproc", str(args.nproc), "--name", name, *extra,
+    ]  # fmt: skip
+    os.environ["PARATRAIN_CACHE"] = str(cwd / "cache" / name)  # built within the run
+    launch(command, cwd, max(1, 2 // args.nproc))
+    rows = [json.loads(x) for x in (cwd / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+    return [(row["since_start_s"], row["val_top1"]) for row in rows]
+
+
+def first_reach(curve: list[tuple[float, float]], level: float) -> float | None:
+    return next((t for t, top1 in curve if top1 >= level - 1e-9), None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=3000)
+    parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--variants", nargs="+", default=["plain", "defaults", "fast"])
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        cwd = Path(tmp)
+        data = make_folder(cwd / "data", args.images)
+        curves: dict[str, list[tuple[float, float]]] = {}
+        small = max(8, (args.size // 2) // 8 * 8)
+        extras = {
+            "defaults": [],
+            "fast": [
+                "--progressive",
+                f"{small}:{args.size}",
+                "--val-size",
+                str(args.size * 5 // 4),
+            ],
+        }
+        for variant in args.variants:
+            if variant == "plain":
+                curves[variant] = plain(data, args, cwd)
+            else:
+                curves[variant] = paratrain(data, args, cwd, variant, extras[variant])
+        cpu = "AMX" if "amx_bf16" in Path("/proc/cpuinfo").read_text() else "no AMX"
+        print(
+            f"{args.images} JPEGs 400x300, resnet18 at {args.size} px, batch 16 x {args.nproc} "
+            f"process(es), {args.epochs} epochs, {os.cpu_count()} cores ({cpu})"
+        )
+        for name, curve in curves.items():
+            print(f"  {name:9s} " + "  ".join(f"{t:6.1f}s {a:.1%}" for t, a in curve))
+        base = curves.get("plain")
+        ladder = [0.6, 0.7, 0.8]
+        if base:
+            ladder.append(max(a for _, a in base))
+        print("\nseconds from launch to first reaching each accuracy (plain / run):")
+        for level in ladder:
+            cells = []
+            for name, curve in curves.items():
+                t = first_reach(curve, level)
+                ratio = ""
+                if base and name != "plain" and t is not None:
+                    b = first_reach(base, level)
+                    ratio = f" ({b / t:.2f}x)" if b is not None else ""
+                cells.append(f"{name} {'-' if t is None else f'{t:.1f}s'}{ratio}")
+            print(f"  {level:.1%}: " + ", ".join(cells))
+        for name, curve in curves.items():
+            print(f"  best {name}: {max(a for _, a in curve):.1%}")
+
+
+if __name__ == "__main__":
+    main()
