@@ -39,9 +39,21 @@ HERE = Path(__file__).resolve().parent
 CLASSES = 5
 
 
-def make_folder(root: Path, count: int, part: int = 0, parts: int = 1) -> Path:
+def make_folder(
+    root: Path,
+    count: int,
+    part: int = 0,
+    parts: int = 1,
+    noise: float = 45.0,
+    jitter: float = 0.3,
+    shift: float = 0.0,
+    contrast: float = 25.0,
+) -> Path:
     """Class = colour cast + stripe direction, under texture and noise; 80/20 split.
-    ``part`` of ``parts``: every parts-th image from part on (for writing in parallel)."""
+    ``part`` of ``parts``: every parts-th image from part on (for writing in parallel);
+    ``noise`` (pixel noise's deviation) and ``jitter`` (of the stripes' angle, radians)
+    set how far the classes overlap; ``shift`` (a per-image colour offset's deviation)
+    hides the class's colour cast, ``contrast`` is the stripes' amplitude."""
     tints = np.random.default_rng(0).uniform(110, 150, size=(CLASSES, 3))  # close colours
     yy, xx = np.mgrid[0:300, 0:400].astype(np.float32)
     for i in range(part, count, parts):
@@ -50,9 +62,10 @@ def make_folder(root: Path, count: int, part: int = 0, parts: int = 1) -> Path:
         subset = "val" if (i // CLASSES) % 5 == 0 else "train"
         folder = root / subset / f"class_{label}"
         folder.mkdir(parents=True, exist_ok=True)
-        angle = np.pi * label / CLASSES + rng.normal(0, 0.3)  # neighbours overlap
+        angle = np.pi * label / CLASSES + rng.normal(0, jitter)  # neighbours overlap
         stripes = np.sin((xx * np.cos(angle) + yy * np.sin(angle)) / rng.uniform(6, 14))
-        pixels = tints[label] + 25 * stripes[..., None] + rng.normal(0, 45, size=(300, 400, 3))
+        cast = tints[label] + rng.normal(0, shift, size=3) if shift else tints[label]
+        pixels = cast + contrast * stripes[..., None] + rng.normal(0, noise, size=(300, 400, 3))
         Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(
             folder / f"{i:05d}.jpg", quality=90
         )

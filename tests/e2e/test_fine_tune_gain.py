@@ -59,5 +59,6 @@ def test_fine_tuning_beats_the_same_run_from_scratch(tmp_path):
             )
         )  # fmt: skip
         runs[name] = summary["best_val_top1"]
+    print(f"fine-tuned best val top-1 {runs['tuned']:.3f}, from scratch {runs['scratch']:.3f}")
     # measured: 0.76 against 0.59 (2-core EPYC, bf16); 4 classes, so chance is 0.25
     assert runs["tuned"] > runs["scratch"] + 0.1, runs
