@@ -368,3 +368,42 @@ def test_a_budget_ends_on_time_and_a_resumed_run_keeps_what_is_left(data):
     rows = [json.loads(r) for r in (root / "runs/budget/metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["epoch"] > 3  # --epochs gave way to the budget
     assert rows[-1]["lr"] < rows[0]["lr"]  # the schedule ran its course
+
+
+def test_a_run_folder_in_use_is_refused_and_free_again_once_its_run_is_killed(data):
+    root, folder = data
+    args = job(folder, "held", "--save-every-steps", "2", epochs=500)
+    first = subprocess.Popen(
+        [sys.executable, "-m", "paratrain", "train", *args],
+        cwd=root,
+        env=_env(root),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    saved = root / "runs/held/checkpoints/last.pt"
+    deadline = time.monotonic() + 120
+    while not saved.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    second, _ = run(root, *job(folder, "held", "--resume", "auto", epochs=1))
+    told = [line for line in second.stderr.splitlines() if line.strip()]
+    assert second.returncode == 2 and len(told) == 1, second.stderr
+    assert "is in use by a run still going (host " in told[0]
+    assert ", pid " in told[0]
+    os.killpg(first.pid, signal.SIGKILL)  # the launcher dies without a word
+    first.wait(timeout=30)
+    deadline = time.monotonic() + 15  # its workers, in sessions of their own, follow it
+    while leftover("--name held") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert leftover("--name held") == []
+    third, _ = run(root, *job(folder, "held", "--resume", "auto", epochs=1))
+    assert third.returncode == 0, third.stderr  # nothing left to do, and not refused
+
+
+def test_a_run_that_trained_nothing_leaves_no_folder_to_block_its_name(data):
+    root, folder = data
+    failed, _ = run(root, *job(folder, "nothing"), PARATRAIN_INJECT="rank=0,step=1,kind=raise")
+    assert failed.returncode != 0
+    assert not (root / "runs" / "nothing").exists()
+    again, _ = run(root, *job(folder, "nothing"))
+    assert again.returncode == 0, again.stderr

@@ -60,3 +60,49 @@ def test_ctrl_c_is_told_once_and_the_run_resumes_from_what_it_kept(tmp_path, npr
     assert told[0].endswith("--resume runs/r continues from it")
     reached = checkpoint.load(saved).progress.epoch
     assert reached >= 1
+
+
+@pytest.mark.parametrize(
+    ("sig", "code", "nproc"),
+    [(signal.SIGTERM, 143, 1), (signal.SIGTERM, 143, 2), (signal.SIGINT, 130, 2)],
+    ids=["sigterm-1", "sigterm-2", "sigint-2"],
+)
+def test_a_signal_to_the_whole_group_reaches_loader_workers_and_still_saves(
+    tmp_path, sig, code, nproc
+):
+    """As SLURM preempts (every process of the job signalled, loader workers too) and
+    as a terminal's Ctrl-C does: the workers leave the signal to their rank, which acts
+    on it (a preemption saves at the step it reached) and exits with the signal's code,
+    without a DataLoader traceback."""
+    data = make_image_folder(tmp_path / "data", classes=3, per_class=12)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PARATRAIN_CACHE"] = str(tmp_path / "cache")
+    argv = [
+        *(sys.executable, "-m", "paratrain", "train", "--data", str(data), "--cache", "off"),
+        *("--model", "resnet18", "--image-size", "16", "--batch-size", "4", "--epochs", "500"),
+        *("--workers", "1", "--nproc", str(nproc), "--name", "g", "--save-every-steps", "1000"),
+    ]
+    process = subprocess.Popen(
+        argv,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    saved = tmp_path / "runs/g/checkpoints/last.pt"
+    deadline = time.monotonic() + 120
+    while not saved.exists() and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.2)
+    first = checkpoint.load(saved).progress.global_step
+    time.sleep(1.5)  # inside a later epoch, its loader workers busy
+    os.killpg(process.pid, sig)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == code, err
+    assert "Traceback" not in err and "DataLoader worker" not in err, err
+    after = checkpoint.load(saved).progress
+    if sig == signal.SIGTERM:  # a preemption: saved at the step it reached
+        assert after.global_step > first and after.step_in_epoch > 0, (first, after)
+    else:  # Ctrl-C: what was saved is kept, and said (test above)
+        assert after.global_step >= first and "interrupted; its last checkpoint" in err

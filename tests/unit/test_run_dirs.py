@@ -73,3 +73,13 @@ def test_a_launch_that_wrote_nothing_leaves_no_empty_run_folder(tmp_path, monkey
     api.train(cfg)
     runs = list((tmp_path / "runs").iterdir())
     assert len(runs) == 1 and (runs[0] / "config.yaml").is_file()  # a run that wrote: kept
+
+
+@pytest.mark.parametrize("name", ["..", ".", "x" * 300])
+def test_a_run_name_stays_one_folder_inside_the_output_folder(name, image_folder, capsys):
+    from paratrain.cli import main
+
+    code = main(["train", "--data", str(image_folder), "--name", name, "--dry-run"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert "a run's name is one folder inside --output-dir" in err[0]

@@ -35,6 +35,7 @@ STRATEGIES = "paratrain.parallel:STRATEGIES"  # the registry of --strategy's nam
 DEVICE = r"cpu|cuda(:\d{1,3})?"
 DEVICE_TEXT = "cpu, cuda or cuda:N"
 RUN_NAME = r"[^/\\\0]+"  # one folder name: no separators
+NAME_MAX = 255  # bytes in a file name (Linux's NAME_MAX)
 MAX_IMAGE_SIZE = 4096
 INTERPOLATIONS = ("bilinear", "bicubic")  # how images are resized
 TIMM_PREFIX = "timm/"  # --model timm/<name>: a timm model
@@ -685,6 +686,13 @@ class TrainConfig(Options):
             raise UserError("--warmup-epochs and --warmup-steps are alternatives; give one")
         if self.sched == "multistep" and not self.lr_milestones:
             raise UserError("--sched multistep needs --lr-milestones (e.g. 30,60,80)")
+        if self.name is not None and (
+            self.name in (".", "..") or len(self.name.encode()) > NAME_MAX
+        ):
+            raise UserError(
+                f"--name {self.name[:40]}{'...' if len(self.name) > 40 else ''}: a run's "
+                f"name is one folder inside --output-dir: not . or .., at most {NAME_MAX} bytes"
+            )
         if self.budget and (self.budget_seconds or 0) < 1:
             raise UserError(f"--budget {self.budget}: give at least a second")
         if self.progressive:

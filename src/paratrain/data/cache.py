@@ -49,7 +49,13 @@ from tqdm import tqdm
 
 from paratrain.data import jpeg
 from paratrain.data.builtin import default_cache_dir
-from paratrain.data.folder import IMAGE_ERRORS, open_image, read_rgb, upright_size
+from paratrain.data.folder import (
+    IMAGE_ERRORS,
+    leave_stop_signals_to_the_rank,
+    open_image,
+    read_rgb,
+    upright_size,
+)
 from paratrain.data.samples import Samples, as_samples
 from paratrain.data.transforms import (
     IMAGENET_MEAN,
@@ -731,6 +737,7 @@ def _build(
         _Decode(samples, mine, short, directory, kind, interpolation),
         batch_size=None,
         num_workers=workers,
+        worker_init_fn=leave_stop_signals_to_the_rank,
     )
     bad, rows = [], []
     out = open(directory / f"part-{local_rank:03d}.jpg", "wb") if kind == PACKED else None

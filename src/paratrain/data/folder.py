@@ -16,6 +16,7 @@ import hashlib
 import io
 import os
 import re
+import signal
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -279,3 +280,12 @@ class ImageSamples(Dataset):
             return self.transform(image), label
         with seeded(seed):
             return self.transform(image), label
+
+
+def leave_stop_signals_to_the_rank(_worker_id: int = 0) -> None:
+    """A loader worker's worker_init_fn: SIGTERM and SIGINT ignored. A cluster's
+    preemption (scancel, timeout) and a terminal's Ctrl-C reach every process of the
+    group; the rank acts on them (a step checkpoint, then exit), and its workers must not
+    die first and turn that into a DataLoader error."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -16,7 +16,13 @@ from paratrain.config import TrainConfig
 from paratrain.data.builtin import default_cache_dir
 from paratrain.data.cache import RAW, CachedImages, DecodedCache, cached_eval_transform, prepare
 from paratrain.data.device_batches import DeviceAugmented, decode_faster_on_device
-from paratrain.data.folder import DataSplit, ImageSamples, Sample, build_split
+from paratrain.data.folder import (
+    DataSplit,
+    ImageSamples,
+    Sample,
+    build_split,
+    leave_stop_signals_to_the_rank,
+)
 from paratrain.data.samplers import ShardedEvalSampler, TrainBatches, TrainSampler, train_sampler
 from paratrain.data.samples import Samples
 from paratrain.data.scan import screen
@@ -175,6 +181,7 @@ class Loaders:
             pin_memory=old.pin_memory,
             persistent_workers=old.persistent_workers,
             collate_fn=old.collate_fn,
+            worker_init_fn=old.worker_init_fn,
         )
         del old  # its workers end with it
 
@@ -235,6 +242,7 @@ def make_loaders(
         pin_memory=runtime.device.type == "cuda",
         persistent_workers=workers > 0,
         collate_fn=batched,
+        worker_init_fn=leave_stop_signals_to_the_rank,
     )
     val = validation_loader(
         split.val, cfg, cfg.batch, workers, replica, replicas, cache, runtime.device.type == "cuda"
@@ -277,5 +285,6 @@ def validation_loader(
         num_workers=workers,
         pin_memory=pin,
         persistent_workers=workers > 0,
+        worker_init_fn=leave_stop_signals_to_the_rank,
         **extra,
     )

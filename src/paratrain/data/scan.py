@@ -25,7 +25,7 @@ import numpy as np
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from paratrain.data.folder import DataSplit, image_problem
+from paratrain.data.folder import DataSplit, image_problem, leave_stop_signals_to_the_rank
 from paratrain.data.samples import Samples, as_samples
 from paratrain.distributed import comm
 from paratrain.errors import AgreedUserError
@@ -60,7 +60,12 @@ def find_bad_images(
     if not isinstance(samples, Samples):
         samples = Samples.of((path, 0) for path in samples)
     rows = np.arange(len(samples)) if rows is None else rows
-    loader = DataLoader(_Probe(samples, rows[rank::world]), batch_size=None, num_workers=workers)
+    loader = DataLoader(
+        _Probe(samples, rows[rank::world]),
+        batch_size=None,
+        num_workers=workers,
+        worker_init_fn=leave_stop_signals_to_the_rank,
+    )
     found = []
     with tqdm(
         total=len(rows),

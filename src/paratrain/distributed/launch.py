@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
 from collections.abc import Callable, Sequence
@@ -125,6 +126,26 @@ def launch(
     return 0
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Linux: this process is sent ``sig`` when the process that started it dies, by any
+    signal (PR_SET_PDEATHSIG), so a launcher killed with SIGKILL leaves no worker
+    training on, re-parented to init. SIGTERM: a worker saves at its next step and
+    ends, as when a cluster preempts it. Elsewhere: nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        return  # not allowed here (a sandbox): the launcher's own shutdown still applies
+    if parent == 1 or os.getppid() != parent:  # it died before the call took effect
+        os.kill(os.getpid(), sig)
+
+
 def launch_or_run(
     nproc: int,
     argv: list[str],
@@ -138,6 +159,8 @@ def launch_or_run(
     <argv>`` through torch's elastic launcher, wait, and return None (a failed worker's
     exit code becomes this process's)."""
     env = detect(os.environ)
+    if env.source != "single":  # started by a launcher: it must not outlive it
+        die_with_parent()
     if nproc <= 1 or env.source != "single":
         return work(env)
     os.environ[CHECKED] = "1"

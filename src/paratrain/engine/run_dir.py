@@ -6,7 +6,9 @@ share one; an existing run is continued (--resume) or left alone, never overwrit
 
 from __future__ import annotations
 
+import fcntl
 import os
+import socket
 from pathlib import Path
 
 from paratrain.config import TrainConfig
@@ -15,6 +17,8 @@ from paratrain.engine import sharded
 from paratrain.errors import UserError
 
 LAST = "last.pt"
+LOCK = ".paratrain.lock"  # held (flock) by the process whose run is in the folder
+_held: dict[Path, int] = {}  # run folders this process holds: their lock files' descriptors
 BEST = "best.pt"
 
 
@@ -92,5 +96,48 @@ def resolve_run(cfg: TrainConfig) -> tuple[Path, Path | None]:
     else:  # a timestamp; a run started in the same second gets the next free name
         name = claim_new_name(output)
     run_dir = output / name
+    hold(run_dir)  # before anything is written: a run still going keeps its folder
     claim_checkpoints(run_dir, new_run=fresh)  # one step: two new runs cannot share it
     return run_dir, resume_from
+
+
+def hold(run_dir: Path) -> None:
+    """The run folder held by this process (rank 0) while it lives: an flock on its lock
+    file, which the kernel lets go when the process ends, however it ends (a killed run
+    never leaves its folder locked). Another process asking for it is refused in one
+    line naming the holder's host and pid."""
+    run_dir = run_dir.resolve()
+    if run_dir in _held:
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise UserError(
+            f"{run_dir} is in use by a run still going ({holder}): wait for it to end, "
+            "or give another --name"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}\n".encode(), 0)
+    _held[run_dir] = fd
+
+
+STARTED_FILES = {LOCK, "config.yaml", "class_indices.json", "split.json", "checkpoints"}
+
+
+def release_all() -> None:
+    """Let go of every run folder this process holds (its run is over). A folder in
+    which nothing was trained (no checkpoint, no metrics: a run that failed or was
+    stopped before its first save) is removed, so it does not block its --name."""
+    import shutil
+
+    while _held:
+        run_dir, fd = _held.popitem()
+        checkpoints = run_dir / "checkpoints"
+        empty = checkpoints.is_dir() and not any(checkpoints.iterdir())
+        if empty and {p.name for p in run_dir.iterdir()} <= STARTED_FILES:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        os.close(fd)

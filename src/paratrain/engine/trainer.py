@@ -35,7 +35,7 @@ from paratrain.engine.evaluate import EvalResult, evaluate
 from paratrain.engine.preempt import Interrupted, PreemptionGuard
 from paratrain.engine.preflight import check_model_input
 from paratrain.engine.recipe import Recipe, build_optimizer, build_recipe
-from paratrain.engine.run_dir import last_of_run, resolve_run
+from paratrain.engine.run_dir import last_of_run, release_all, resolve_run
 from paratrain.engine.schedule import Schedule, base_lr, build_schedule, train_size_at
 from paratrain.engine.state import Progress
 from paratrain.engine.step import Stepper
@@ -92,6 +92,15 @@ def train_worker(cfg: TrainConfig, env: DistEnv) -> dict:
 
 
 def fit(cfg: TrainConfig, runtime: Runtime) -> dict:
+    """Train as configured (:func:`train`); the run folder is let go of at the end,
+    however it ends, and removed if nothing was trained in it."""
+    try:
+        return train(cfg, runtime)
+    finally:
+        release_all()
+
+
+def train(cfg: TrainConfig, runtime: Runtime) -> dict:
     """Train as configured, as this process's share of the job; returns rank 0's summary.
 
     The outline of every run, on every rank: set up (data, model, strategy, optimizer,
