@@ -145,3 +145,24 @@ def test_free_space_is_checked_before_writing(samples, tmp_path, monkeypatch):
     with _said() as lines:
         assert prepare(samples, 24, "auto", 1.0, root, workers=0) is None
     assert any("GB free" in line for line in lines)
+
+
+def test_builds_left_by_dead_processes_are_removed_and_live_ones_kept(samples, tmp_path):
+    import os
+    import socket
+    import subprocess
+
+    root = str(tmp_path / "cache")
+    base = tmp_path / "cache" / "decoded"
+    base.mkdir(parents=True)
+    dead = subprocess.Popen(["true"])  # its pid is free once it has ended
+    dead.wait()
+    host = socket.gethostname()
+    stale = base / f".abc.tmp-{host}-{dead.pid}"
+    live = base / f".def.tmp-{host}-{os.getpid()}"
+    elsewhere = base / f".ghi.tmp-otherhost-{dead.pid}"
+    for folder in (stale, live, elsewhere):
+        folder.mkdir()
+        (folder / "data.bin").write_bytes(b"x" * 1000)
+    assert prepare(samples, 24, "on", 1.0, root, workers=0) is not None
+    assert not stale.exists() and live.exists() and elsewhere.exists()

@@ -249,3 +249,27 @@ def test_a_class_without_validation_images_has_no_accuracy_rather_than_zero():
     }
     lines = format_report(report).splitlines()
     assert lines[1:4] == ["  a  75.00%", "  b  no images", "  c  50.00%"]
+
+
+@pytest.mark.parametrize("cache", ["on", "off"])
+def test_a_broken_link_in_the_data_is_a_bad_image_on_every_path(
+    tmp_path, cache, capsys, monkeypatch
+):
+    """With the cache on or off, under --bad-images skip the dangling link is left out
+    and named as missing; under error it is one line, never a FileNotFoundError."""
+    from imagefolders import make_image_folder
+
+    data = make_image_folder(tmp_path / "d", classes=2, per_class=8)
+    (data / "class_0" / "gone.jpg").symlink_to(tmp_path / "nowhere.jpg")
+    common = ["train", "--data", str(data), "--image-size", "16", "--epochs", "1"]
+    common += ["--batch-size", "4", "--workers", "0", "--cache", cache]
+    common += ["--output-dir", str(tmp_path / "runs")]
+    monkeypatch.setenv("PARATRAIN_CACHE", str(tmp_path / "c"))
+    assert main([*common, "--bad-images", "skip", "--name", "s"]) == 0
+    assert "skipping 1 unreadable image(s)" in capsys.readouterr().out
+    listed = next((tmp_path / "runs" / "s").glob("bad_im*")).read_text()
+    assert "gone.jpg" in listed and "missing" in listed
+    assert main([*common, "--name", "e"]) == 2
+    err = capsys.readouterr().err
+    assert "FileNotFoundError" not in err and "Traceback" not in err
+    assert "gone.jpg" in err

@@ -83,3 +83,20 @@ def test_a_run_name_stays_one_folder_inside_the_output_folder(name, image_folder
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
     assert "a run's name is one folder inside --output-dir" in err[0]
+
+
+def test_a_missing_extra_is_told_once_before_any_worker_starts(image_folder, capsys, monkeypatch):
+    import importlib.util
+
+    from paratrain.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "timm" else real(name, *a)
+    )
+    code = main(["train", "--data", str(image_folder), "--opt", "lamb", "--nproc", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [
+        "paratrain: error: --opt lars and lamb needs the timm package: pip install "
+        "'paratrain[timm]'"
+    ]

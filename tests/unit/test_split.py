@@ -1,4 +1,5 @@
 import json
+import os
 from collections import Counter
 
 import pytest
@@ -84,3 +85,51 @@ def test_a_single_class_is_refused_in_either_layout(tmp_path):
     given = make_image_folder(tmp_path / "g", classes=1, per_class=6, layout="given")
     with pytest.raises(UserError, match="one class folder"):
         build_split(given)
+
+
+def _sides(run_dir):
+    import numpy as np
+
+    from paratrain.data.samples import PackedStrings
+
+    saved = np.load(run_dir / "split.npz")
+    return {
+        side: set(PackedStrings(saved[f"{side}_keys"], saved[f"{side}_offsets"]))
+        for side in ("train", "val")
+    }
+
+
+def test_a_resumed_run_keeps_its_split_when_files_come_and_go(tmp_path, capsys, monkeypatch):
+    """Six images added and two removed between a run and its resume: every earlier file
+    stays on its side (none of the run's training images is validated on), the new ones
+    are placed, the gone ones left out, and the run says so in one line."""
+    from imagefolders import make_image_folder
+    from paratrain import TrainConfig, train
+    from paratrain.log import setup_logging
+
+    monkeypatch.setenv("PARATRAIN_CACHE", str(tmp_path / "cache"))
+    data = make_image_folder(tmp_path / "d", classes=3, per_class=20)
+    common = dict(
+        data=str(data), image_size=16, batch_size=8, workers=0, name="r",
+        output_dir=str(tmp_path / "runs"),
+    )  # fmt: skip
+    train(TrainConfig(epochs=1, **common))
+    before = _sides(tmp_path / "runs" / "r")
+    gone = [sorted(before["train"])[0], sorted(before["val"])[0]]
+    for path in gone:
+        os.remove(path)
+    extra = make_image_folder(tmp_path / "more", classes=3, per_class=2)
+    for path in sorted(extra.rglob("*.jpg")):
+        path.rename(data / path.parent.name / f"new-{path.name}")
+    setup_logging()
+    train(TrainConfig(epochs=2, resume="auto", **common))
+    said = capsys.readouterr().out
+    assert (
+        "the data changed since the run began: 6 file(s) added (placed by the split), "
+        "2 gone (left out), 0 changed" in said
+    )
+    after = _sides(tmp_path / "runs" / "r")
+    assert before["train"] - set(gone) <= after["train"]  # no training image validated on
+    assert before["val"] - set(gone) <= after["val"]
+    new = {str(p) for p in data.rglob("new-*.jpg")}
+    assert new <= after["train"] | after["val"] and not set(gone) & (after["train"] | after["val"])

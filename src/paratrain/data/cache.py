@@ -552,6 +552,36 @@ def prepare(
         comm.barrier()
 
 
+def remove_stale_builds(base: Path) -> list[Path]:
+    """Temporary build folders (``.<key>.tmp-<host>-<pid>``) of this host whose builder
+    is gone (a Ctrl-C, a kill, a full disk): removed, and returned. Another host's, and
+    a live process's, are left alone."""
+    removed = []
+    host = socket.gethostname()
+    for tmp in base.glob(".*.tmp-*"):
+        owner, _, pid = tmp.name.rpartition(".tmp-")[2].rpartition("-")
+        if owner != host or not pid.isdigit() or _alive(int(pid)):
+            continue
+        shutil.rmtree(tmp, ignore_errors=True)
+        removed.append(tmp)
+    if removed:
+        get_logger().info(
+            f"removed {len(removed)} unfinished cache build(s) left in {base} by processes "
+            "that are gone"
+        )
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True
+
+
 def _plan_node(
     samples: Samples,
     short: int,
@@ -591,6 +621,7 @@ def _plan_node(
         if final.exists() and verify(final, len(samples), short, kind) is None:
             os.close(handle)  # finished while we looked
             return "ready", kind, str(final), ""
+    remove_stale_builds(base)  # before the free space is counted: theirs is back
     free = shutil.disk_usage(base).free
     plan = survey(
         samples,

@@ -6,10 +6,13 @@ stages read the same batches); evaluation shards every image exactly once.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 from torch.utils.data import DataLoader
 
 from paratrain.config import TrainConfig
@@ -24,7 +27,7 @@ from paratrain.data.folder import (
     leave_stop_signals_to_the_rank,
 )
 from paratrain.data.samplers import ShardedEvalSampler, TrainBatches, TrainSampler, train_sampler
-from paratrain.data.samples import Samples
+from paratrain.data.samples import PackedStrings, Samples
 from paratrain.data.scan import screen
 from paratrain.data.sources import Source, open_source
 from paratrain.data.transforms import (
@@ -37,6 +40,7 @@ from paratrain.data.transforms import (
 from paratrain.distributed import comm
 from paratrain.distributed.runtime import Runtime, threads_per_process
 from paratrain.errors import AgreedUserError
+from paratrain.log import get_logger
 
 
 def default_workers(local_world_size: int) -> int:
@@ -100,6 +104,105 @@ def read_split(cfg: TrainConfig, runtime: Runtime | None = None) -> DataSplit:
     if runtime is not None and source.sharded:
         node, nodes = runtime.env.node_rank, nodes_of(runtime)
     return build_split(source, cfg.val_fraction, cfg.split_seed, node, nodes)
+
+
+SPLIT_RECORD = "split.npz"  # in the run folder: which file went to which side
+
+
+def keep_sides(split: DataSplit, run_dir: Path, resumed: bool, runtime: Runtime) -> DataSplit:
+    """The split a run began with, kept across its resumes: a new run records which
+    file went to which side (with its size and time); a resumed one keeps every
+    recorded file on its side, places only new files (where the split puts them), leaves
+    out those gone, and says in one line how the data changed. A split the source makes
+    by each entry's key (shards) needs no record. Rank 0 decides; every rank applies it."""
+    if split.layout != "split" or (split.source is not None and split.source.sharded):
+        return split
+    record = run_dir / SPLIT_RECORD
+    both = split.train + split.val
+    decided = None
+    if runtime.is_main:
+        if not resumed or not record.is_file():
+            _write_record(record, split)
+        else:
+            decided = _reconcile(record, both, len(split.train))
+    in_val, words = comm.broadcast_object(decided) or (None, "")
+    if in_val is None:
+        return split
+    if words and runtime.is_main:
+        get_logger().warning(words)
+    kept = _with_sides(split, both, in_val)
+    if runtime.is_main and words:
+        _write_record(record, kept)  # the sides as they are now, for the next resume
+    return kept
+
+
+def recorded_sides(split: DataSplit, run_dir: Path | None) -> DataSplit:
+    """The split as the run in ``run_dir`` recorded it (what `paratrain eval` validates
+    on: the run's own validation images), where it kept a record."""
+    if run_dir is None or not (run_dir / SPLIT_RECORD).is_file() or split.layout != "split":
+        return split
+    both = split.train + split.val
+    in_val, _ = _reconcile(run_dir / SPLIT_RECORD, both, len(split.train))
+    return _with_sides(split, both, in_val)
+
+
+def _with_sides(split: DataSplit, both: Samples, in_val: np.ndarray) -> DataSplit:
+    return DataSplit(
+        split.classes,
+        both.where(~in_val),
+        both.where(in_val),
+        split.layout,
+        split.root,
+        split.ignored,
+        split.missing,
+    )
+
+
+def _write_record(record: Path, split: DataSplit) -> None:
+    tmp = record.with_name(record.name + ".tmp.npz")
+    arrays: dict[str, Any] = {
+        f"{side}_{field}": value
+        for side, samples in (("train", split.train), ("val", split.val))
+        for field, value in (
+            ("keys", samples.keys.data),
+            ("offsets", samples.keys.offsets),
+            ("sizes", samples.sizes),
+            ("versions", samples.versions),
+        )
+    }
+    np.savez(tmp, **arrays)
+    os.replace(tmp, record)
+
+
+def _reconcile(record: Path, both: Samples, n_train: int) -> tuple[np.ndarray, str]:
+    """(which of ``both`` go to validation, what changed in words)."""
+    saved = np.load(record)
+    recorded: dict[str, tuple[bool, int, int]] = {}
+    for side in ("train", "val"):
+        keys = PackedStrings(saved[f"{side}_keys"], saved[f"{side}_offsets"])
+        for key, size, version in zip(
+            keys, saved[f"{side}_sizes"].tolist(), saved[f"{side}_versions"].tolist(), strict=True
+        ):
+            recorded[key] = (side == "val", size, version)
+    in_val = np.zeros(len(both), dtype=bool)
+    added = changed = 0
+    sizes, versions = both.sizes.tolist(), both.versions.tolist()
+    for i, key in enumerate(both.keys):
+        known = recorded.get(key)
+        if known is None:
+            added += 1
+            in_val[i] = i >= n_train  # where this split placed it
+            continue
+        in_val[i] = known[0]
+        changed += (known[1], known[2]) != (sizes[i], versions[i])
+    gone = len(recorded) - (len(both) - added)
+    if not (added or gone or changed):
+        return in_val, ""
+    return in_val, (
+        f"the data changed since the run began: {added} file(s) added (placed by the "
+        f"split), {gone} gone (left out), {changed} changed; every earlier file kept on "
+        "its side of the split"
+    )
 
 
 def node_local(split: DataSplit, runtime: Runtime) -> tuple[int, int] | None:

@@ -174,7 +174,10 @@ def prepare_evaluation(opts: EvalOptions) -> EvalJob:
     data_dir = opts.data or saved.data
     if not data_dir:
         raise UserError("--data is needed: the checkpoint does not name its data")
-    split = read_split(replace(saved, data=data_dir))
+    from paratrain.data.loaders import recorded_sides
+    from paratrain.engine.run_dir import run_dir_of
+
+    split = recorded_sides(read_split(replace(saved, data=data_dir)), run_dir_of(path))
     if split.classes != state.classes:
         raise UserError(
             f"classes of {data_dir} ({len(split.classes)}) differ from the checkpoint's "

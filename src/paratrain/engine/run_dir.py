@@ -125,7 +125,7 @@ def hold(run_dir: Path) -> None:
     _held[run_dir] = fd
 
 
-STARTED_FILES = {LOCK, "config.yaml", "class_indices.json", "split.json", "checkpoints"}
+STARTED_FILES = {LOCK, "config.yaml", "class_indices.json", "split.npz", "checkpoints"}
 
 
 def release_all() -> None:

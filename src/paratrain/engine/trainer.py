@@ -22,7 +22,13 @@ import torch
 from paratrain.config import TrainConfig
 from paratrain.data.cache import agree_intact
 from paratrain.data.folder import DataSplit
-from paratrain.data.loaders import Loaders, make_loaders, prepare_data, read_split
+from paratrain.data.loaders import (
+    Loaders,
+    keep_sides,
+    make_loaders,
+    prepare_data,
+    read_split,
+)
 from paratrain.distributed import comm
 from paratrain.distributed.env import DistEnv
 from paratrain.distributed.runtime import Runtime, seed_everything
@@ -146,6 +152,7 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
     except UserError as exc:
         raise AgreedUserError(str(exc)) from None
     run_dir, resume_from = comm.agree(lambda: resolve_run(cfg))
+    split = keep_sides(split, run_dir, resume_from is not None, runtime)
     cache, split = prepare_data(cfg, split, runtime, run_dir)
     classes = len(split.classes)
     parts = build_parts(cfg, classes, runtime)
