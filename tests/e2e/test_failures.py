@@ -61,7 +61,7 @@ def run(root: Path, *args: str, timeout: float = 240, **env: str):
 
 
 def leftover(tag: str) -> list[str]:
-    found = subprocess.run(["pgrep", "-af", tag], capture_output=True, text=True).stdout
+    found = subprocess.run(["pgrep", "-af", "--", tag], capture_output=True, text=True).stdout
     return [line for line in found.splitlines() if "pgrep" not in line]
 
 
@@ -407,3 +407,58 @@ def test_a_run_that_trained_nothing_leaves_no_folder_to_block_its_name(data):
     assert not (root / "runs" / "nothing").exists()
     again, _ = run(root, *job(folder, "nothing"))
     assert again.returncode == 0, again.stderr
+
+
+def test_a_full_disk_at_a_save_keeps_the_checkpoint_before_and_says_why(data):
+    root, folder = data
+    out, _ = run(
+        root,
+        *job(folder, "full", *EVERY_2, epochs=2),
+        PARATRAIN_INJECT="rank=0,step=6,kind=disk_full",
+    )
+    told = [line for line in out.stderr.splitlines() if line.startswith("paratrain:")]
+    assert out.returncode == 2 and len(told) == 1, out.stderr
+    assert "could not write a checkpoint in" in told[0] and "No space left on device" in told[0]
+    assert "Traceback" not in out.stderr
+    state = torch.load(root / "runs/full/checkpoints/last.pt", weights_only=False)
+    assert state["progress"]["global_step"] == 4  # the save before the failed one
+
+
+def test_chaos_four_kills_at_random_moments_end_bit_identical(data):
+    """Workers killed with SIGKILL four times at random moments: torch's elastic agent
+    restarts them (--max-restarts), each restart resumes from the newest step
+    checkpoint, and the final weights are those of the run never disturbed."""
+    import random
+
+    root, folder = data
+    straight, _ = run(root, *job(folder, "calm", "--deterministic", epochs=6))
+    assert straight.returncode == 0, straight.stderr
+    args = job(folder, "chaos", *EVERY_2, "--max-restarts", "4", epochs=6)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "paratrain", "train", *args],
+        cwd=root,
+        env=_env(root),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    chance = random.Random(7)
+    saved = root / "runs/chaos/checkpoints/last.pt"
+    kills = 0
+    deadline = time.monotonic() + 240
+    while kills < 4 and proc.poll() is None and time.monotonic() < deadline:
+        if not saved.exists():
+            time.sleep(0.2)
+            continue
+        time.sleep(chance.uniform(0.5, 2.0))
+        workers = [
+            int(line.split()[0])
+            for line in leftover("--name chaos")
+            if int(line.split()[0]) != proc.pid
+        ]
+        if workers:
+            os.kill(chance.choice(workers), signal.SIGKILL)
+            kills += 1
+    out, err = proc.communicate(timeout=300)
+    assert kills == 4 and proc.returncode == 0, (kills, err)
+    _assert_bitwise_equal(weights(root, "chaos"), weights(root, "calm"))

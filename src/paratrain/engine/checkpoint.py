@@ -25,18 +25,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from paratrain.config import TrainConfig
 from paratrain.config.schema import settings
 from paratrain.config.train import migrate_settings
+from paratrain.distributed import comm
 from paratrain.distributed.runtime import Runtime
-from paratrain.engine import sharded
+from paratrain.engine import faults, sharded
 from paratrain.engine.preempt import interrupts_deferred
 from paratrain.engine.recipe import Recipe
 from paratrain.engine.run_dir import LAST, run_dir_of
 from paratrain.engine.schedule import Schedule, base_lr, peak_lr
 from paratrain.engine.state import Progress, gathered_rng_states, restore_rng
-from paratrain.errors import UserError
+from paratrain.errors import AgreedUserError, UserError
 from paratrain.files import fsync
 from paratrain.log import get_logger, since_start
 from paratrain.parallel.parts import ModelParts
@@ -243,6 +245,7 @@ class Checkpointer:
         self.parts, self.optimizer, self.schedule = parts, optimizer, schedule
         self.classes, self.recipe = classes, recipe
         self.spent_before = 0.0  # the wall-clock earlier runs of a resumed one spent
+        self.fault = faults.planned(runtime.rank)  # tests: a full disk at a chosen save
 
     def save(self, progress: Progress, val_top1: float | None = None) -> None:
         """A collective: every rank calls it. Sharded strategies write their shards each
@@ -251,7 +254,18 @@ class Checkpointer:
         takes effect once the checkpoint is written."""
         progress.seconds = self.spent_before + since_start()  # rank 0's is kept
         with interrupts_deferred():
-            self._save(progress, val_top1)
+            problem = None
+            try:
+                self._save(progress, val_top1)
+            except (OSError, CheckpointException) as exc:  # a full disk, a quota, read-only
+                reason = getattr(exc, "strerror", None) or str(exc).splitlines()[0][:160]
+                problem = (
+                    f"could not write a checkpoint in {self.dir} ({reason}); the one written "
+                    "before it is intact and --resume continues from it"
+                )
+            told = [p for p in comm.all_gather_object(problem) if p]
+            if told:  # every rank stops alike, and the reason is told once
+                raise AgreedUserError(told[0])
 
     def _save(self, progress: Progress, val_top1: float | None) -> None:
         rng = gathered_rng_states()
@@ -269,6 +283,7 @@ class Checkpointer:
         state.optimizer = optimizer
         whole = state.to_dict()
         last = self.dir / LAST
+        faults.disk_full(self.fault, progress.global_step, last)
         save_atomic(whole, last)
         if val_top1 is not None:
             self._keep_copies(

@@ -1,12 +1,14 @@
 """Failure injection for tests: make one rank fail at a chosen step.
 
-``PARATRAIN_INJECT="rank=1,step=3,kind=raise"`` (kinds: raise, kill, nan, hang), and
+``PARATRAIN_INJECT="rank=1,step=3,kind=raise"`` (kinds: raise, kill, nan, hang, and
+disk_full: the checkpoint written after that step fails as on a full disk), and
 optionally ``attempt=0`` to fire only in the first attempt of a restarted job
 (torchrun's TORCHELASTIC_RESTART_COUNT). Unset, this costs one dictionary look-up.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
@@ -57,3 +59,9 @@ def fire(fault: Fault | None, step: int) -> bool:
         while True:
             time.sleep(1)
     return fault.kind == "nan"
+
+
+def disk_full(fault: Fault | None, step: int, path: object) -> None:
+    """A checkpoint write after ``step`` fails as on a full disk, where one is planned."""
+    if fault is not None and fault.kind == "disk_full" and fault.step == step:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
