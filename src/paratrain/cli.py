@@ -13,6 +13,8 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import yaml
+
 from paratrain.config import (
     BENCH_SETTINGS,
     PLAN_SETTINGS,
@@ -240,7 +242,11 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
     command = COMMANDS[args.command]
     options = build(command.options, _given(args, command.options)).validate()
     if args.command == "train":
-        api.train(resolve_train_args(args), dry_run=options.dry_run)
+        cfg = resolve_train_args(args)
+        if getattr(options, "print_config", False):
+            print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+            return 0
+        api.train(cfg, dry_run=options.dry_run)
         return 0
     if command.train_settings:  # bench, scale, plan: a training step's settings
         cfg = build(TrainConfig, _given(args, TrainConfig, command.train_settings)).validate()

@@ -30,8 +30,10 @@ def _subparser(name: str):
 @pytest.mark.parametrize("name", list(COMMANDS))
 def test_every_flag_of_every_command_is_a_declared_setting(name):
     command = COMMANDS[name]
-    declared = {s.flag for s in settings(command.options)}
-    declared |= {s.flag for s in settings(TrainConfig) if s.name in command.train_settings}
+    declared = {f for s in settings(command.options) for f in s.flags}
+    declared |= {
+        f for s in settings(TrainConfig) if s.name in command.train_settings for f in s.flags
+    }
     offered = set()
     for action in _subparser(name)._actions:
         if action.dest == "help":

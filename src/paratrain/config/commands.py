@@ -74,8 +74,12 @@ class TrainCommand(Options):
         "YAML file of settings (a run's config.yaml, say); flags given here win over it",
         path="file",
         metavar="FILE",
+        short="-c",
     )
     dry_run: bool = _dry_run()
+    print_config: bool = setting(
+        False, "print the resolved settings as YAML (ready for --config) and stop"
+    )
 
 
 @dataclass

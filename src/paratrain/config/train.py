@@ -134,6 +134,7 @@ class TrainConfig(Options):
         None,
         "loader processes per rank",
         group="data",
+        short="-j",
         low=0,
         high=64,
         default_text="from the cores",
@@ -174,6 +175,14 @@ class TrainConfig(Options):
         pattern_text="two sizes in pixels, START:END",
         metavar="START:END",
         resume="fixed_mid_epoch",
+    )
+    monitor: str = setting(
+        "top1",
+        "the validation figure that picks best.pt: top-1, macro-F1, balanced accuracy "
+        "(the mean of the classes' recalls) or the lowest loss",
+        group="data",
+        choices=("top1", "macro_f1", "balanced_acc", "loss"),
+        resume="quiet",
     )
     tta: str = setting(
         "none",
@@ -308,6 +317,20 @@ class TrainConfig(Options):
     )
     # optimisation
     epochs: int = setting(10, "passes over the training images", group="optimisation", low=1)
+    max_steps: int | None = setting(
+        None,
+        "stop after this many optimizer steps, with an evaluation and a checkpoint (a quick "
+        "smoke run, as Lightning's fast_dev_run)",
+        group="optimisation",
+        low=1,
+    )
+    limit_val_batches: int | None = setting(
+        None,
+        "evaluate on only the first N batches of each rank's validation shard (a smoke run: "
+        "not every image, so not the exact figure)",
+        group="optimisation",
+        low=1,
+    )
     budget: str | None = setting(
         None,
         "wall-clock to train in (90s, 15m, 2h, 1h30m), from the command's start: the "
@@ -325,6 +348,7 @@ class TrainConfig(Options):
         group="optimisation",
         low=1,
         auto=True,
+        short="-b",
     )
     lr: float | Literal["auto"] = setting(
         0.01,

@@ -37,7 +37,58 @@ class EvalResult:
 
     def as_dict(self) -> dict:
         """The totals, for JSON and the metrics row."""
-        return {"loss": self.loss, "top1": self.top1, "top5": self.top5, "count": self.count}
+        return {
+            "loss": self.loss,
+            "top1": self.top1,
+            "top5": self.top5,
+            "count": self.count,
+            "macro_f1": self.macro_f1,
+            "balanced_acc": self.balanced_accuracy,
+        }
+
+    def per_class(self) -> list[dict[str, float | int | None]]:
+        """Each class's precision, recall, F1 and support, from the exact confusion
+        matrix (so the same at every world size); None where undefined (no image of the
+        class, or none predicted as it)."""
+        if self.confusion is None:
+            return []
+        matrix = self.confusion.double()
+        hits, support, predicted = matrix.diagonal(), matrix.sum(dim=1), matrix.sum(dim=0)
+        rows = []
+        for i in range(matrix.shape[0]):
+            precision = float(hits[i] / predicted[i]) if predicted[i] else None
+            recall = float(hits[i] / support[i]) if support[i] else None
+            f1 = (
+                2 * precision * recall / (precision + recall)
+                if precision is not None and recall is not None and precision + recall > 0
+                else (0.0 if support[i] else None)
+            )
+            rows.append(
+                {"precision": precision, "recall": recall, "f1": f1, "support": int(support[i])}
+            )
+        return rows
+
+    @property
+    def macro_f1(self) -> float | None:
+        """The mean F1 over the classes that have validation images."""
+        scores = [r["f1"] for r in self.per_class() if r["support"]]
+        return sum(scores) / len(scores) if scores else None  # type: ignore[arg-type]
+
+    @property
+    def balanced_accuracy(self) -> float | None:
+        """The mean recall over the classes that have validation images."""
+        recalls = [r["recall"] for r in self.per_class() if r["support"]]
+        return sum(recalls) / len(recalls) if recalls else None  # type: ignore[arg-type]
+
+    def score(self, monitor: str) -> float:
+        """The figure --monitor picks the best checkpoint by (higher is better)."""
+        value = {
+            "top1": self.top1,
+            "macro_f1": self.macro_f1,
+            "balanced_acc": self.balanced_accuracy,
+            "loss": -self.loss,
+        }[monitor]
+        return float("-inf") if value is None or math.isnan(value) else float(value)
 
     def per_class_accuracy(self) -> list[float | None]:
         """Each class's share of correct predictions, from the confusion matrix (None for
@@ -85,10 +136,12 @@ def evaluate(
     num_classes: int,
     detailed: bool = False,
     tta: bool = False,
+    limit: int | None = None,
 ) -> EvalResult:
     """Loss, top-1 and top-5 over every rank's shard; with ``detailed``, also the confusion
     matrix and every sample's prediction (dataset indices from the loader's sampler);
-    with ``tta``, each image's logits averaged with its mirror's."""
+    with ``tta``, each image's logits averaged with its mirror's; with ``limit``, only
+    each rank's first ``limit`` batches (--limit-val-batches: a smoke run)."""
     was_training = model.training
     model.eval()
     k = 5 if num_classes >= 5 else None
@@ -99,7 +152,9 @@ def evaluate(
     predicted: list[int] = []
     fmt = getattr(model, "memory_format", torch.preserve_format)
     label_device = getattr(model, "output_device", None) or device
-    for images, labels in loader:
+    for batch, (images, labels) in enumerate(loader):
+        if limit is not None and batch >= limit:
+            break
         images = images.to(device, non_blocking=True, memory_format=fmt)
         labels = labels.to(label_device, non_blocking=True)
         logits = _full_batch_logits(model, images, loader.batch_size, tta)
@@ -234,6 +289,7 @@ def evaluate_checkpoint(job: EvalJob, opts: EvalOptions, env: DistEnv) -> dict:
             out = write_evaluation(result.confusion, result.predictions, split, job.report_dir)
             report.update(
                 per_class=dict(zip(split.classes, result.per_class_accuracy(), strict=True)),
+                per_class_scores=dict(zip(split.classes, result.per_class(), strict=True)),
                 report_dir=str(out),
             )
         return report

@@ -133,6 +133,8 @@ def train(cfg: TrainConfig, runtime: Runtime) -> dict:
                 if run.budget is not None:
                     cost = time.perf_counter() - epoch_start
                     plan(run, run.budget.after_epoch(float(epoch + 1), cost))
+                if cfg.max_steps and run.progress.global_step >= cfg.max_steps:
+                    break  # --max-steps: evaluated and saved above
                 epoch += 1
     except KeyboardInterrupt:  # checkpoints are written whole or not at all: say which
         raise Interrupted(run.run_dir, last_of_run(run.run_dir)) from None
@@ -277,6 +279,8 @@ def train_epoch(run: Run, epoch: int) -> float:
                 plan(run, planned)
             if run.budget.done(trained):
                 break
+        if cfg.max_steps and progress.global_step >= cfg.max_steps:
+            break
     if bar is not None:
         bar.close()
     return time.perf_counter() - start
@@ -315,12 +319,12 @@ def validate(run: Run) -> tuple[EvalResult, EvalResult | None]:
     run.parts.agree_buffers()
     classes = len(run.split.classes)
     with run.recipe.precision.autocast():
-        tta = run.cfg.tta == "flip"
-        result = evaluate(run.parts, run.loaders.val, run.parts.input_device, classes, tta=tta)
+        tta, limit = run.cfg.tta == "flip", run.cfg.limit_val_batches
+        val, device = run.loaders.val, run.runtime.device
+        result = evaluate(run.parts, val, run.parts.input_device, classes, tta=tta, limit=limit)
         averaged = None
         if run.recipe.ema is not None:
-            device = run.runtime.device
-            averaged = evaluate(run.recipe.ema.module, run.loaders.val, device, classes, tta=tta)
+            averaged = evaluate(run.recipe.ema.module, val, device, classes, tta=tta, limit=limit)
     return result, averaged
 
 
@@ -345,6 +349,8 @@ def record_epoch(
         "val_top1": result.top1,
         "val_top5": result.top5,
         "val_count": result.count,
+        "val_macro_f1": result.macro_f1,
+        "val_balanced_acc": result.balanced_accuracy,
         "skipped_steps": progress.skipped_steps,
         "epoch_seconds": epoch_seconds,
         "train_images_per_s": totals[2] / max(train_seconds, 1e-9),
@@ -354,9 +360,10 @@ def record_epoch(
     }
     if averaged is not None:
         row.update(val_loss_ema=averaged.loss, val_top1_ema=averaged.top1)
-    progress.best_top1 = max(progress.best_top1, result.top1)
+    score = result.score(run.cfg.monitor)  # what picks best.pt (--monitor)
+    progress.best_top1 = max(progress.best_top1, score)
     progress.start_epoch(epoch + 1)
-    run.saver.save(progress, val_top1=result.top1)
+    run.saver.save(progress, val_top1=score)
     if run.runtime.is_main:
         run.metrics.write(row)
         plot_curves(run.metrics.read(), run.run_dir / "curves.png")

@@ -113,13 +113,28 @@ def lr_scales(
     return scales
 
 
+# a transformer's position embeddings and class tokens: no weight decay with the norms
+# (--norm-weight-decay), as timm's and torchvision's ViT recipes keep them
+EMBEDDINGS = {
+    "pos_embed",
+    "pos_embedding",
+    "cls_token",
+    "class_token",
+    "dist_token",
+    "reg_token",
+    "absolute_pos_embed",
+    "relative_position_bias_table",
+}
+
+
 def named_groups(
     model: nn.Module, split: bool | Grouping = False
 ) -> list[tuple[str, float, list[str]]]:
     """The optimizer's parameter groups by name, in the model's order within each, as
     (kind, lr scale, names): one ("decay"), or, grouped by kind (--norm-weight-decay,
     --bias-weight-decay), the other layers' weights ("decay"), normalisation layers'
-    weights and biases ("norm"), the other layers' biases ("bias"); each kind divided
+    weights and biases and a transformer's position embeddings and class tokens
+    ("norm"), the other layers' biases ("bias"); each kind divided
     by learning-rate scale where --head-lr-mult or --layer-decay give some. Every
     strategy groups alike, so the checkpoint's optimizer indexing is one."""
     grouping = split if isinstance(split, Grouping) else Grouping(bool(split))
@@ -135,7 +150,7 @@ def named_groups(
                 seen.add(id(param))
                 kind = (
                     "norm"
-                    if isinstance(module, NORM_LAYERS)
+                    if isinstance(module, NORM_LAYERS) or name in EMBEDDINGS
                     else "bias"
                     if name == "bias"
                     else "decay"

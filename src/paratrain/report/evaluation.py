@@ -14,15 +14,27 @@ from paratrain.report.plots import plot_confusion
 def format_report(report: dict) -> str:
     """`paratrain eval`'s lines: the totals, then each class's accuracy."""
     top5 = f"  top5 {report['top5']:.2%}" if report["top5"] is not None else ""
+
+    def share(value) -> str:
+        return "-" if value is None else f"{value:.2%}"
+
     lines = [
         f"{report['count']} images on {report['world_size']} process(es): "
-        f"loss {report['loss']:.4f}  top1 {report['top1']:.2%}{top5}"
+        f"loss {report['loss']:.4f}  top1 {report['top1']:.2%}{top5}  macro-F1 "
+        f"{share(report.get('macro_f1'))}  balanced accuracy {share(report.get('balanced_acc'))}"
     ]
     width = max(len(name) for name in report["per_class"])
-    lines += [
-        f"  {name.ljust(width)}  " + ("no images" if accuracy is None else f"{accuracy:.2%}")
-        for name, accuracy in report["per_class"].items()
-    ]
+    scores = report.get("per_class_scores", {})
+    lines.append(f"  {'class'.ljust(width)}  accuracy  precision  recall  F1")
+    for name, accuracy in report["per_class"].items():
+        if accuracy is None:
+            lines.append(f"  {name.ljust(width)}  no images")
+            continue
+        row = scores.get(name, {})
+        lines.append(
+            f"  {name.ljust(width)}  {accuracy:8.2%}  {share(row.get('precision')):>9}  "
+            f"{share(row.get('recall')):>6}  {share(row.get('f1'))}"
+        )
     lines.append(
         f"per-class accuracy, confusion matrix and misclassified files in {report['report_dir']}"
     )

@@ -20,6 +20,8 @@ COLUMNS = [
     "world_size",
     "val_loss_ema",
     "val_top1_ema",
+    "val_macro_f1",
+    "val_balanced_acc",
 ]
 
 
