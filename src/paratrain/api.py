@@ -92,6 +92,14 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, say: Say = print) -> dict 
         if warning := preflight.oversubscribed(cfg):
             print(f"paratrain: warning: {warning}", file=sys.stderr)
     if dry_run:
+        if cfg.budget and cfg.data is not None:  # about how many epochs fit, timed here
+            from paratrain.bench.speed import budget_plan
+            from paratrain.data.loaders import read_split
+            from paratrain.engine.preflight import job_world
+
+            split = read_split(cfg)
+            world = job_world(cfg, env)
+            chosen = [*chosen, budget_plan(cfg, len(split.train), len(split.val), world)]
         say(describe(cfg, env, chosen=chosen))
         return None
     claimed = None

@@ -74,6 +74,7 @@ def test_two_process_epoch_writes_every_run_file(trained):
     root, data, first, files, _ = trained
     assert first.returncode == 0, first.stderr
     assert files == [
+        ".paratrain.lock",  # held while the run trains (engine/run_dir.hold)
         "checkpoints/best.pt",
         "checkpoints/last.pt",
         "class_indices.json",
@@ -81,6 +82,7 @@ def test_two_process_epoch_writes_every_run_file(trained):
         "curves.png",
         "metrics.csv",
         "metrics.jsonl",
+        "split.npz",  # which file went to which side, kept across resumes
         "summary.json",
     ]
     assert "  processes: 2 process(es) (torchrun)" in first.stdout

@@ -26,15 +26,15 @@ def test_an_interrupt_during_a_checkpoint_write_waits_for_the_write():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_ctrl_c_is_told_once_and_the_run_resumes_from_what_it_kept(tmp_path, nproc):
-    data = make_image_folder(tmp_path / "data", classes=3, per_class=8)
+def _train_in_its_own_group(tmp_path: Path, data: Path, name: str, *extra: str):
+    """A long run in a process group of its own (as a terminal's job, or a cluster's),
+    once its first checkpoint is written: (the process, that checkpoint's path)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PARATRAIN_CACHE"] = str(tmp_path / "cache")
     argv = [
-        *(sys.executable, "-m", "paratrain", "train", "--data", str(data)),
+        *(sys.executable, "-m", "paratrain", "train", "--data", str(data), "--name", name),
         *("--model", "resnet18", "--image-size", "16", "--batch-size", "4", "--epochs", "500"),
-        *("--workers", "0", "--precision", "32", "--nproc", str(nproc), "--name", "r"),
+        *extra,
     ]
     process = subprocess.Popen(
         argv,
@@ -43,12 +43,21 @@ def test_ctrl_c_is_told_once_and_the_run_resumes_from_what_it_kept(tmp_path, npr
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        start_new_session=True,  # Ctrl-C reaches the whole process group, as from a terminal
+        start_new_session=True,  # a signal to the group reaches every process of the run
     )
-    saved = tmp_path / "runs/r/checkpoints/last.pt"
+    saved = tmp_path / "runs" / name / "checkpoints" / "last.pt"
     deadline = time.monotonic() + 120
     while not saved.exists() and time.monotonic() < deadline and process.poll() is None:
         time.sleep(0.2)
+    return process, saved
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_ctrl_c_is_told_once_and_the_run_resumes_from_what_it_kept(tmp_path, nproc):
+    data = make_image_folder(tmp_path / "data", classes=3, per_class=8)
+    process, saved = _train_in_its_own_group(
+        tmp_path, data, "r", "--workers", "0", "--precision", "32", "--nproc", str(nproc)
+    )
     time.sleep(1.0)  # well into later epochs, whose saves the signal may hit
     os.killpg(process.pid, signal.SIGINT)
     out, err = process.communicate(timeout=120)
@@ -75,26 +84,10 @@ def test_a_signal_to_the_whole_group_reaches_loader_workers_and_still_saves(
     on it (a preemption saves at the step it reached) and exits with the signal's code,
     without a DataLoader traceback."""
     data = make_image_folder(tmp_path / "data", classes=3, per_class=12)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["PARATRAIN_CACHE"] = str(tmp_path / "cache")
-    argv = [
-        *(sys.executable, "-m", "paratrain", "train", "--data", str(data), "--cache", "off"),
-        *("--model", "resnet18", "--image-size", "16", "--batch-size", "4", "--epochs", "500"),
-        *("--workers", "1", "--nproc", str(nproc), "--name", "g", "--save-every-steps", "1000"),
-    ]
-    process = subprocess.Popen(
-        argv,
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    saved = tmp_path / "runs/g/checkpoints/last.pt"
-    deadline = time.monotonic() + 120
-    while not saved.exists() and time.monotonic() < deadline and process.poll() is None:
-        time.sleep(0.2)
+    process, saved = _train_in_its_own_group(
+        tmp_path, data, "g", "--cache", "off", "--workers", "1", "--nproc", str(nproc),
+        "--save-every-steps", "1000",
+    )  # fmt: skip
     first = checkpoint.load(saved).progress.global_step
     time.sleep(1.5)  # inside a later epoch, its loader workers busy
     os.killpg(process.pid, sig)

@@ -245,10 +245,15 @@ def test_a_class_without_validation_images_has_no_accuracy_rather_than_zero():
         **result.as_dict(),
         "world_size": 1,
         "per_class": dict(zip(["a", "b", "c"], result.per_class_accuracy(), strict=True)),
+        "per_class_scores": dict(zip(["a", "b", "c"], result.per_class(), strict=True)),
         "report_dir": "eval",
     }
     lines = format_report(report).splitlines()
-    assert lines[1:4] == ["  a  75.00%", "  b  no images", "  c  50.00%"]
+    assert "macro-F1 70.83%" in lines[0] and "balanced accuracy 62.50%" in lines[0]
+    assert lines[1].split() == ["class", "accuracy", "precision", "recall", "F1"]
+    assert lines[2].split() == ["a", "75.00%", "75.00%", "75.00%", "75.00%"]
+    assert lines[3].split() == ["b", "no", "images"]
+    assert lines[4].split() == ["c", "50.00%", "100.00%", "50.00%", "66.67%"]
 
 
 @pytest.mark.parametrize("cache", ["on", "off"])

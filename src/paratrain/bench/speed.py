@@ -240,3 +240,27 @@ def describe_bench(cfg: TrainConfig, opts: BenchOptions) -> str:
         f"would time {opts.steps} steps (after {opts.warmup}) of {cfg.model} at "
         f"{cfg.image_size}px, batch {cfg.batch_size} x {cfg.nproc} process(es)"
     )
+
+
+def budget_plan(cfg: TrainConfig, train: int, val: int, world: int) -> str:
+    """--budget in a dry run: the epochs that would fit, from a few steps timed here on
+    synthetic batches in one process (the run times its own first steps and plans
+    again every epoch)."""
+    from paratrain.distributed.runtime import distributed
+    from paratrain.engine.budget import EVAL_COST, duration
+
+    probe = replace(cfg, nproc=1, strategy="ddp", weights=None, freeze_epochs=0)
+    with distributed(DistEnv(), cfg.device, None, cfg.timeout) as runtime:
+        result = run_bench(probe, runtime, steps=3, warmup=1)
+    assert result is not None  # the one process is rank 0
+    step = result.step_ms / 1000
+    steps = -(-train // (cfg.batch * world))
+    evaluation = step * EVAL_COST * -(-val // (cfg.batch * world))
+    seconds = cfg.budget_seconds or 0.0
+    epochs = seconds / max(steps * step + evaluation, 1e-9)
+    return (
+        f"--budget {duration(seconds)}: at most about {epochs:.1f} epochs ({step * 1000:.0f} "
+        f"ms a step measured here in one process on synthetic batches, {steps} steps an "
+        "epoch; loading, evaluation and saving add to it): the run times its own first "
+        "steps and plans again every epoch"
+    )

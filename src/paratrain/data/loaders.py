@@ -115,7 +115,7 @@ def keep_sides(split: DataSplit, run_dir: Path, resumed: bool, runtime: Runtime)
     recorded file on its side, places only new files (where the split puts them), leaves
     out those gone, and says in one line how the data changed. A split the source makes
     by each entry's key (shards) needs no record. Rank 0 decides; every rank applies it."""
-    if split.layout != "split" or (split.source is not None and split.source.sharded):
+    if split.layout == "given" or (split.source is not None and split.source.sharded):
         return split
     record = run_dir / SPLIT_RECORD
     both = split.train + split.val
@@ -139,7 +139,7 @@ def keep_sides(split: DataSplit, run_dir: Path, resumed: bool, runtime: Runtime)
 def recorded_sides(split: DataSplit, run_dir: Path | None) -> DataSplit:
     """The split as the run in ``run_dir`` recorded it (what `paratrain eval` validates
     on: the run's own validation images), where it kept a record."""
-    if run_dir is None or not (run_dir / SPLIT_RECORD).is_file() or split.layout != "split":
+    if run_dir is None or not (run_dir / SPLIT_RECORD).is_file() or split.layout == "given":
         return split
     both = split.train + split.val
     in_val, _ = _reconcile(run_dir / SPLIT_RECORD, both, len(split.train))

@@ -131,8 +131,6 @@ def dry_run(
             "skip": f"off ({plan.reason})",
         }[plan.action]
         resume = resumable(cfg, split.classes)
-        if cfg.budget:
-            chosen = [*(chosen or []), budget_plan(cfg, len(split.train), len(split.val), world)]
     facts = run_facts(
         cfg,
         processes=(
@@ -158,33 +156,6 @@ def dry_run(
             "would run:",
             *facts.lines(),
         ]
-    )
-
-
-def budget_plan(cfg: TrainConfig, train: int, val: int, world: int) -> str:
-    """--budget in a dry run: the epochs that would fit, from a few steps timed here on
-    synthetic batches in one process (the run times its own first steps and plans
-    again every epoch)."""
-    from dataclasses import replace
-
-    from paratrain.bench.speed import run_bench
-    from paratrain.distributed.runtime import distributed
-    from paratrain.engine.budget import EVAL_COST, duration
-
-    probe = replace(cfg, nproc=1, strategy="ddp", weights=None, freeze_epochs=0)
-    with distributed(DistEnv(), cfg.device, None, cfg.timeout) as runtime:
-        result = run_bench(probe, runtime, steps=3, warmup=1)
-    assert result is not None  # the one process is rank 0
-    step = result.step_ms / 1000
-    steps = -(-train // (cfg.batch * world))
-    evaluation = step * EVAL_COST * -(-val // (cfg.batch * world))
-    seconds = cfg.budget_seconds or 0.0
-    epochs = seconds / max(steps * step + evaluation, 1e-9)
-    return (
-        f"--budget {duration(seconds)}: at most about {epochs:.1f} epochs ({step * 1000:.0f} "
-        f"ms a step measured here in one process on synthetic batches, {steps} steps an "
-        "epoch; loading, evaluation and saving add to it): the run times its own first "
-        "steps and plans again every epoch"
     )
 
 

@@ -125,7 +125,16 @@ def hold(run_dir: Path) -> None:
     _held[run_dir] = fd
 
 
-STARTED_FILES = {LOCK, "config.yaml", "class_indices.json", "split.npz", "checkpoints"}
+# what a run writes before its first step (metrics: the CSV's header, an empty JSONL)
+STARTED_FILES = {
+    LOCK,
+    "config.yaml",
+    "class_indices.json",
+    "split.npz",
+    "checkpoints",
+    "metrics.csv",
+    "metrics.jsonl",
+}
 
 
 def release_all() -> None:
@@ -136,8 +145,9 @@ def release_all() -> None:
 
     while _held:
         run_dir, fd = _held.popitem()
-        checkpoints = run_dir / "checkpoints"
+        checkpoints, metrics = run_dir / "checkpoints", run_dir / "metrics.jsonl"
         empty = checkpoints.is_dir() and not any(checkpoints.iterdir())
-        if empty and {p.name for p in run_dir.iterdir()} <= STARTED_FILES:
+        no_epoch = not metrics.exists() or metrics.stat().st_size == 0
+        if empty and no_epoch and {p.name for p in run_dir.iterdir()} <= STARTED_FILES:
             shutil.rmtree(run_dir, ignore_errors=True)
         os.close(fd)

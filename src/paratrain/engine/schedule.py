@@ -79,6 +79,8 @@ def train_size_at(cfg: TrainConfig, epoch: int, epochs: float | None = None) -> 
     start, end = cfg.progressive_sizes
     total = epochs if epochs is not None else cfg.epochs
     first, last = RAMP[0] * total, RAMP[1] * total
+    if math.isinf(total):
+        return start
     share = min(max((epoch - first) / max(last - first, 1e-9), 0.0), 1.0)
     size = int(math.ceil((start + (end - start) * share) / 8) * 8)
     return min(max(size, start), end)

@@ -248,7 +248,10 @@ def train_epoch(run: Run, epoch: int) -> float:
     if freezing is not None and freezing.set_epoch(epoch):
         get_logger().info(f"epoch {epoch + 1}: the backbone thaws; every layer trains")
     if cfg.progressive:  # --progressive: this epoch's size, over the planned length
-        size = train_size_at(cfg, epoch, run.schedule.epochs)
+        length = run.schedule.epochs
+        if run.budget is not None and run.budget.planned is None:
+            length = math.inf  # not planned yet (the first steps time it): the start size
+        size = train_size_at(cfg, epoch, length)
         if run.budget is not None:  # a moving end never takes the size back down
             size = run.budget.largest = max(size, run.budget.largest)
         if size != run.loaders.train_size:

@@ -23,7 +23,7 @@ def format_report(report: dict) -> str:
         f"loss {report['loss']:.4f}  top1 {report['top1']:.2%}{top5}  macro-F1 "
         f"{share(report.get('macro_f1'))}  balanced accuracy {share(report.get('balanced_acc'))}"
     ]
-    width = max(len(name) for name in report["per_class"])
+    width = max(len("class"), *(len(name) for name in report["per_class"]))
     scores = report.get("per_class_scores", {})
     lines.append(f"  {'class'.ljust(width)}  accuracy  precision  recall  F1")
     for name, accuracy in report["per_class"].items():
