@@ -22,10 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +34,7 @@ sys.path.insert(0, str(HERE))
 
 from time_to_accuracy import HARD  # noqa: E402
 from vs_plain_loop import make_folder as make_stripes  # noqa: E402
+from vs_plain_loop import run  # noqa: E402
 
 CLASSES = 5
 
@@ -93,17 +92,8 @@ def train(data: Path, args, cwd: Path, name: str, extra: list[str], seed: int) -
         "--image-size", str(args.size), "--epochs", str(args.epochs), "--nproc",
         str(args.nproc), "--seed", str(seed), "--name", name, *extra,
     ]  # fmt: skip
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": str(max(1, 2 // args.nproc)),
-        "PARATRAIN_NO_BAR": "1",
-        "PARATRAIN_CACHE": str(cwd / "cache"),
-    }
-    start = time.perf_counter()
-    out = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    if out.returncode != 0:
-        sys.exit(f"failed: {' '.join(command)}\n{out.stderr[-3000:]}")
+    threads = max(1, 2 // args.nproc)
+    wall, _ = run(command, threads, cwd, PARATRAIN_CACHE=str(cwd / "cache"))
     rows = [json.loads(x) for x in (cwd / "runs" / name / "metrics.jsonl").read_text().splitlines()]
     return {"top1": rows[-1]["val_top1"], "ema": rows[-1].get("val_top1_ema"), "wall": wall}
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,44 +31,23 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from vs_plain_loop import make_folder  # noqa: E402
+from vs_plain_loop import make_folder, plain_command, run  # noqa: E402
 
 # vs_plain_loop's set made hard enough that accuracy climbs over the epochs: a colour
 # offset per image hides each class's cast, the stripes fainter and their angles looser
 HARD = {"noise": 55.0, "jitter": 0.4, "shift": 25.0, "contrast": 15.0}
 
 
-def launch(command: list[str], cwd: Path, threads: int) -> tuple[float, str]:
+def launch(command: list[str], cwd: Path, threads: int, **env: str) -> tuple[float, str]:
     """(time.time() at launch, stdout) of a command that must succeed."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PARATRAIN_NO_BAR": "1"}
     start = time.time()
-    out = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
-    if out.returncode != 0:
-        sys.exit(f"failed: {' '.join(command)}\n{out.stderr[-3000:]}")
-    return start, out.stdout
+    _, out = run(command, threads, cwd, **env)
+    return start, out
 
 
 def plain(data: Path, args, cwd: Path) -> list[tuple[float, float]]:
     """(seconds from launch, val top-1) after every epoch of the plain loop."""
-    script = [
-        str(HERE / "plain_ddp.py"),
-        str(data),
-        "--image-size",
-        str(args.size),
-        "--batch-size",
-        "16",
-        "--epochs",
-        str(args.epochs),
-        "--workers",
-        "1",
-        "--eval-every-epoch",
-    ]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command = (
-        [*launcher, f"--nproc-per-node={args.nproc}", *script]
-        if args.nproc > 1
-        else [sys.executable, *script]
-    )
+    command = plain_command(data, args.size, args.nproc, args.epochs, "--eval-every-epoch")
     start, out = launch(command, cwd, max(1, 2 // args.nproc))
     rows = [json.loads(line) for line in out.splitlines() if line.startswith('{"epoch"')]
     return [(row["time"] - start, row["val_top1"]) for row in rows]
@@ -84,8 +62,8 @@ def paratrain(
         "--image-size", str(args.size), "--batch-size", "16", "--epochs", str(args.epochs),
         "--nproc", str(args.nproc), "--name", name, *extra,
     ]  # fmt: skip
-    os.environ["PARATRAIN_CACHE"] = str(cwd / "cache" / name)  # built within the run
-    launch(command, cwd, max(1, 2 // args.nproc))
+    cache = str(cwd / "cache" / name)  # built within the run
+    launch(command, cwd, max(1, 2 // args.nproc), PARATRAIN_CACHE=cache)
     rows = [json.loads(x) for x in (cwd / "runs" / name / "metrics.jsonl").read_text().splitlines()]
     return [(row["since_start_s"], row["val_top1"]) for row in rows]
 

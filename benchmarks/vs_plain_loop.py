@@ -82,30 +82,21 @@ def run(command: list[str], threads: int, cwd: Path, **extra: str) -> tuple[floa
     return wall, out.stdout
 
 
-def plain(data, size, nproc, args, cwd):
+def plain_command(data: Path, size: int, nproc: int, epochs: int, *extra: str) -> list[str]:
+    """benchmarks/plain_ddp.py on ``data``: batch 16 per process, one loader worker;
+    under torch's launcher for more than one process."""
     script = [
-        str(HERE / "plain_ddp.py"),
-        str(data),
-        "--image-size",
-        str(size),
-        "--batch-size",
-        "16",
-        "--epochs",
-        str(args.epochs),
-        "--workers",
-        "1",
-    ]
-    if nproc > 1:
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            *script,
-        ]
-    else:
-        command = [sys.executable, *script]
+        str(HERE / "plain_ddp.py"), str(data), "--image-size", str(size), "--batch-size",
+        "16", "--epochs", str(epochs), "--workers", "1", *extra,
+    ]  # fmt: skip
+    if nproc == 1:
+        return [sys.executable, *script]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    return [*launcher, f"--nproc-per-node={nproc}", *script]
+
+
+def plain(data, size, nproc, args, cwd):
+    command = plain_command(data, size, nproc, args.epochs)
     wall, out = run(command, 2 // nproc, cwd)
     result = json.loads(out.strip().splitlines()[-1])
     return result["images_per_s"], wall, result["val_top1"]

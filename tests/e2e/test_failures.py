@@ -181,14 +181,20 @@ def test_restart_budget_exhausted_names_the_rank(data):
     assert "rank 1 was killed by signal SIGKILL (after 1 restart(s))" in out.stderr
 
 
-def _start(root: Path, args: list[str], **env: str) -> subprocess.Popen:
+def _start(
+    root: Path, args: list[str], quiet: bool = False, new_session: bool = False, **env: str
+) -> subprocess.Popen:
+    """A training command started and left running; ``quiet``: its output dropped (it
+    is never read); ``new_session``: in a process group of its own."""
+    out = subprocess.DEVNULL if quiet else subprocess.PIPE
     return subprocess.Popen(
         [sys.executable, "-m", "paratrain", "train", *args],
         cwd=root,
         env=_env(root, **env),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stdout=out,
+        stderr=out,
         text=True,
+        start_new_session=new_session,
     )
 
 
@@ -376,14 +382,7 @@ def test_a_budget_ends_on_time_and_a_resumed_run_keeps_what_is_left(data):
 def test_a_run_folder_in_use_is_refused_and_free_again_once_its_run_is_killed(data):
     root, folder = data
     args = job(folder, "held", "--save-every-steps", "2", epochs=500)
-    first = subprocess.Popen(
-        [sys.executable, "-m", "paratrain", "train", *args],
-        cwd=root,
-        env=_env(root),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    first = _start(root, args, quiet=True, new_session=True)
     saved = root / "runs/held/checkpoints/last.pt"
     deadline = time.monotonic() + 120
     while not saved.exists() and time.monotonic() < deadline:
@@ -437,14 +436,7 @@ def test_chaos_four_kills_at_random_moments_end_bit_identical(data):
     straight, _ = run(root, *job(folder, "calm", "--deterministic", epochs=6))
     assert straight.returncode == 0, straight.stderr
     args = job(folder, "chaos", *EVERY_2, "--max-restarts", "4", epochs=6)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "paratrain", "train", *args],
-        cwd=root,
-        env=_env(root),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = _start(root, args)
     chance = random.Random(7)
     saved = root / "runs/chaos/checkpoints/last.pt"
     kills = 0

@@ -81,7 +81,7 @@ def test_choices_and_defaults_are_written_once():
 
 
 def test_strategy_names_are_the_strategy_table():
-    from paratrain.parallel import get
+    from paratrain.parallel.base import get
 
     strategy = next(s for s in settings(TrainConfig) if s.name == "strategy")
     assert strategy.rule.options == tuple(STRATEGIES)  # --strategy takes the registry's names
@@ -280,7 +280,7 @@ def test_more_cpu_processes_than_cores_is_warned_in_the_dry_run(folder, monkeypa
 
 
 def test_norm_batch_counts_the_images_one_batchnorm_sees():
-    from paratrain.parallel import get
+    from paratrain.parallel.base import get
 
     def seen(world: int, gpus: int = 0, **values) -> int:
         cfg = TrainConfig(**values)

@@ -10,8 +10,8 @@ import pytest
 
 from paratrain.config import TrainConfig
 from paratrain.errors import UserError
-from paratrain.parallel import STRATEGIES, get
-from paratrain.parallel.base import Layout
+from paratrain.parallel import STRATEGIES
+from paratrain.parallel.base import Layout, get
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "paratrain"
 

@@ -271,7 +271,7 @@ def choose_batch(
 def _data_cap(cfg: TrainConfig) -> int:
     """The largest batch that leaves MIN_STEPS steps an epoch of the training images."""
     from paratrain.data.loaders import read_split
-    from paratrain.parallel import get as strategy_of
+    from paratrain.parallel.base import get as strategy_of
 
     images = len(read_split(cfg).train)
     replicas = strategy_of(cfg.strategy).layout(cfg, cfg.processes).dp_size

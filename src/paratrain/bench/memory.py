@@ -28,8 +28,8 @@ from torch import nn
 from paratrain.config import PlanOptions, TrainConfig
 from paratrain.errors import UserError
 from paratrain.parallel import STRATEGIES, partition
-from paratrain.parallel import get as strategy_of
 from paratrain.parallel.base import DeviceMemory, MemoryProfile
+from paratrain.parallel.base import get as strategy_of
 
 PROFILE_BATCH = 2
 

@@ -220,10 +220,53 @@ def report(
             profile, ns, net, cfg.batch_size, cfg.bucket_cap_mb, opts.epoch_images
         )
 
+    comparison = _comparison(cfg, profile, rows, fit)
+    ns = costmodel.powers_of_two(opts.max_n, also=[r.n for r in rows])
+    presets = {
+        name: _preset_efficiency(preset, opts, predicted)
+        for name, preset in costmodel.PRESETS.items()
+    }
+    return {
+        "model": cfg.model,
+        "image_size": cfg.image_size,
+        "batch_size": cfg.batch_size,
+        "precision": cfg.precision,
+        "cores": usable_cores(),
+        "nproc_max": opts.nproc_max,
+        "epoch_images": opts.epoch_images,
+        "profile": {
+            "data_forward_ms": 1000 * profile.before_backward_s,
+            "backward_ms": 1000 * profile.backward_s,
+            "optimizer_ms": 1000 * profile.after_backward_s,
+            "gradient_mb": profile.gradient_bytes / 2**20,
+            "buckets": len(costmodel.ddp_buckets(profile.gradients, cfg.bucket_cap_mb * 2**20)),
+        },
+        "measured": [asdict(r) for r in rows],
+        "all_reduce": {
+            "samples": [list(s) for s in samples],
+            "alpha_us": fit.alpha_s * 1e6 if fit else None,
+            "beta_gbps": fit.beta_bps / 1e9 if fit else None,
+            "rms_error_pct": 100 * fit.rms_error if fit else None,
+            "max_error_pct": 100 * fit.max_error if fit else None,
+        },
+        "comparison": comparison,
+        "network": network.describe(),
+        "predicted": [asdict(p) for p in predicted(ns, network)],
+        "presets": presets,
+    }
+
+
+def _comparison(
+    cfg: TrainConfig,
+    profile: costmodel.StepProfile,
+    rows: list[Measured],
+    fit: costmodel.LinkFit | None,
+) -> list[dict]:
+    """Predicted beside each measurement."""
     # Beside each measurement: that N's own compute (its no_sync step: processes sharing
     # a machine slow each other down, which no link model knows) plus the modelled
     # communication, overlapped with backward bucket by bucket, on the link fitted here.
-    comparison = []
+    comparison: list[dict] = []
     if fit:
         here = costmodel.Network(fit.link())
         alone = 1000 * profile.compute_s
@@ -252,46 +295,20 @@ def report(
                         "error_pct": 100 * (1000 * p.step_s - r.step_ms) / r.step_ms,
                     }
                 )
-    ns = costmodel.powers_of_two(opts.max_n, also=[r.n for r in rows])
-    presets = {}
-    for name, preset in costmodel.PRESETS.items():
-        net = costmodel.Network(
-            preset, opts.gpus_per_node, opts.intra_link if opts.gpus_per_node else None
-        )
-        at = {p.n: p for p in predicted([8, 64, opts.max_n], net)}
-        presets[name] = {
-            "bandwidth_gbps": preset.bandwidth_gbps,
-            "latency_us": preset.latency_us,
-            "note": preset.note,
-            "efficiency": {str(n): at[n].efficiency for n in sorted(at)},
-        }
+    return comparison
+
+
+def _preset_efficiency(preset, opts: ScaleSettings, predicted) -> dict:
+    """One link preset's figures and efficiency at 8, 64 and the largest N."""
+    net = costmodel.Network(
+        preset, opts.gpus_per_node, opts.intra_link if opts.gpus_per_node else None
+    )
+    at = {p.n: p for p in predicted([8, 64, opts.max_n], net)}
     return {
-        "model": cfg.model,
-        "image_size": cfg.image_size,
-        "batch_size": cfg.batch_size,
-        "precision": cfg.precision,
-        "cores": usable_cores(),
-        "nproc_max": opts.nproc_max,
-        "epoch_images": opts.epoch_images,
-        "profile": {
-            "data_forward_ms": 1000 * profile.before_backward_s,
-            "backward_ms": 1000 * profile.backward_s,
-            "optimizer_ms": 1000 * profile.after_backward_s,
-            "gradient_mb": profile.gradient_bytes / 2**20,
-            "buckets": len(costmodel.ddp_buckets(profile.gradients, cfg.bucket_cap_mb * 2**20)),
-        },
-        "measured": [asdict(r) for r in rows],
-        "all_reduce": {
-            "samples": [list(s) for s in samples],
-            "alpha_us": fit.alpha_s * 1e6 if fit else None,
-            "beta_gbps": fit.beta_bps / 1e9 if fit else None,
-            "rms_error_pct": 100 * fit.rms_error if fit else None,
-            "max_error_pct": 100 * fit.max_error if fit else None,
-        },
-        "comparison": comparison,
-        "network": network.describe(),
-        "predicted": [asdict(p) for p in predicted(ns, network)],
-        "presets": presets,
+        "bandwidth_gbps": preset.bandwidth_gbps,
+        "latency_us": preset.latency_us,
+        "note": preset.note,
+        "efficiency": {str(n): at[n].efficiency for n in sorted(at)},
     }
 
 

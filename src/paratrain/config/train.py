@@ -903,6 +903,14 @@ class Preset:
     def reason(self, resolved: Mapping[str, Any]) -> str:
         return self.why(dict(resolved)) if callable(self.why) else self.why
 
+    def taken(self, values: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+        """(the settings that hold this preset's value, those the user set otherwise)."""
+        offered = self.values_for(values)
+        return (
+            [k for k, v in offered.items() if values[k] == v],
+            [k for k, v in offered.items() if values[k] != v],
+        )
+
 
 def _named_weights(values: Mapping[str, Any]) -> bool:
     weights = values.get("weights")
@@ -1019,9 +1027,7 @@ def preset_notes(cfg: TrainConfig) -> list[str]:
     for p in PRESETS:
         if not p.applies(values):
             continue
-        offered = p.values_for(values)
-        taken = [f"{k}={values[k]}" for k, v in offered.items() if values[k] == v]
-        kept = [f"{k}={values[k]}" for k, v in offered.items() if values[k] != v]
+        taken, kept = ([f"{k}={values[k]}" for k in keys] for keys in p.taken(values))
         note = f"{p.reason(values)}: " + (", ".join(taken) or "nothing taken")
         notes.append(note + (f" (yours: {', '.join(kept)})" if kept else ""))
     return notes

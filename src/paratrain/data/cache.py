@@ -648,24 +648,30 @@ def _plan_node(
     tmp = base / f".{key}.tmp-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    if plan.kind == RAW:
-        assert plan.shapes is not None  # a raw build has every image's shape
-        sizes = plan.shapes[:, 0] * plan.shapes[:, 1] * 3
-        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-        rows = np.column_stack([np.zeros_like(offsets), offsets, sizes, plan.shapes])
-        np.save(tmp / "index.npy", rows.astype(np.int64))
-        try:
-            reserve(tmp / RAW_FILE, max(plan.nbytes, 1))
-        except OSError as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.close(handle)
-            where = f"cannot reserve {plan.nbytes / 2**30:.2f} GB in {base} ({exc.strerror or exc})"
-            return refused, "", "", f"--cache {mode}: {where}" if refused == "error" else where
+    if plan.kind == RAW and (lacking := _lay_out_raw(tmp, plan, base)) is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.close(handle)
+        return refused, "", "", f"--cache {mode}: {lacking}" if refused == "error" else lacking
     _held_locks[key] = handle
     reason = plan.reason
     if problems.get(plan.kind):
         reason = f"it failed its check: {problems[plan.kind]}; building it again"
     return "build", plan.kind, str(tmp), reason
+
+
+def _lay_out_raw(tmp: Path, plan: CachePlan, base: Path) -> str | None:
+    """A raw build's index written and its data file's space reserved in ``tmp``; why
+    not (a full disk), else None."""
+    assert plan.shapes is not None  # a raw build has every image's shape
+    sizes = plan.shapes[:, 0] * plan.shapes[:, 1] * 3
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    rows = np.column_stack([np.zeros_like(offsets), offsets, sizes, plan.shapes])
+    np.save(tmp / "index.npy", rows.astype(np.int64))
+    try:
+        reserve(tmp / RAW_FILE, max(plan.nbytes, 1))
+    except OSError as exc:
+        return f"cannot reserve {plan.nbytes / 2**30:.2f} GB in {base} ({exc.strerror or exc})"
+    return None
 
 
 def reserve(path: Path, nbytes: int) -> None:

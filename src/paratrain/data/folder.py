@@ -28,7 +28,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 from torch.utils.data import Dataset
 
-from paratrain.data.samples import Samples
+from paratrain.data.samples import Origin, Samples
 from paratrain.data.sources import Listing, Source, open_source
 from paratrain.errors import UserError
 
@@ -46,7 +46,7 @@ class DataSplit:
     missing: list[tuple[str, str]] = field(default_factory=list)  # unreadable at listing
 
     @property
-    def source(self) -> Source | None:
+    def source(self) -> Origin | None:
         return self.train.source
 
     def class_index(self) -> dict[str, str]:
@@ -166,7 +166,7 @@ def upright_size(image: Image.Image) -> tuple[int, int]:
     return height, width
 
 
-def open_image(path: str, at_least: int | None = None, source: Source | None = None) -> Image.Image:
+def open_image(path: str, at_least: int | None = None, source: Origin | None = None) -> Image.Image:
     """``Image.open``; with ``at_least``, a JPEG is set to decode at the smallest of 1/1,
     1/2, 1/4, 1/8 scale (in the DCT, far cheaper than decoding it whole) that keeps both
     sides at least that many pixels — for uses that shrink it to that size anyway, which
@@ -182,7 +182,7 @@ def _decoder(opened: str | BinaryIO, at_least: int | None) -> Image.Image:
     return image
 
 
-def _entry(path: str, source: Source | None) -> tuple[str | BinaryIO, bool]:
+def _entry(path: str, source: Origin | None) -> tuple[str | BinaryIO, bool]:
     """The entry opened (a path, or a file object of its bytes), and whether it is empty
     (said as such rather than as an unidentified image)."""
     opened = source.open(path) if source is not None else path
@@ -194,7 +194,7 @@ def _entry(path: str, source: Source | None) -> tuple[str | BinaryIO, bool]:
 
 
 def read_rgb(
-    path: str, at_least: int | None = None, source: Source | None = None
+    path: str, at_least: int | None = None, source: Origin | None = None
 ) -> tuple[Image.Image | None, str | None]:
     """The image, upright 3-channel RGB, or None and why it cannot be used (``path``:
     a key of ``source``, else a file's path)."""
@@ -209,7 +209,7 @@ def read_rgb(
         return None, _problem(exc)
 
 
-def load_rgb(path: str, at_least: int | None = None, source: Source | None = None) -> Image.Image:
+def load_rgb(path: str, at_least: int | None = None, source: Origin | None = None) -> Image.Image:
     """Open an image as upright 3-channel RGB; an unreadable file is a UserError."""
     image, problem = read_rgb(path, at_least, source)
     if image is None:
@@ -217,7 +217,7 @@ def load_rgb(path: str, at_least: int | None = None, source: Source | None = Non
     return image
 
 
-def image_problem(path: str, source: Source | None = None) -> str | None:
+def image_problem(path: str, source: Origin | None = None) -> str | None:
     """Why ``path`` cannot be used as an image (all of it decoded), or None when it can.
 
     A JPEG is decoded at 1/8 scale: every byte is still read and entropy-decoded, so a

@@ -14,12 +14,22 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, overload
+from typing import Any, BinaryIO, Protocol, overload
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from paratrain.data.sources import Source
+
+class Origin(Protocol):
+    """What samples need of the place they come from (data/sources.Source is one): how
+    to open and read an entry, what to fold into keys, whether nodes read apart."""
+
+    sharded: bool
+
+    def identity(self) -> str: ...
+
+    def open(self, key: str) -> str | BinaryIO: ...
+
+    def read(self, key: str) -> bytes: ...
 
 
 class PackedStrings(Sequence[str]):
@@ -96,7 +106,7 @@ class Samples(Sequence[tuple[str, int]]):
         self,
         keys: PackedStrings,
         labels: np.ndarray,
-        source: Source | None = None,
+        source: Origin | None = None,
         sizes: np.ndarray | None = None,
         versions: np.ndarray | None = None,
         ids: np.ndarray | None = None,
@@ -112,7 +122,7 @@ class Samples(Sequence[tuple[str, int]]):
         self.ids = np.arange(n, dtype=np.int64) if ids is None else np.asarray(ids, np.int64)
 
     @classmethod
-    def of(cls, pairs: Iterable[tuple[str, int]], source: Source | None = None) -> Samples:
+    def of(cls, pairs: Iterable[tuple[str, int]], source: Origin | None = None) -> Samples:
         """From (key, label) pairs; keys that are files get their size and modification
         time (small sets, tests)."""
         listed = list(pairs)

@@ -17,7 +17,7 @@ from paratrain.config import PRESETS, TrainConfig
 from paratrain.data.folder import DataSplit
 from paratrain.distributed.env import DistEnv
 from paratrain.engine.schedule import describe_schedule, peak_lr
-from paratrain.parallel import get as strategy_of
+from paratrain.parallel.base import get as strategy_of
 from paratrain.report.run_files import RunFacts, recipe_words
 
 
@@ -74,9 +74,7 @@ def preprocessing_words(cfg: TrainConfig) -> str:
     if not named:
         given = "your mean/std" if cfg.mean or cfg.std else "ImageNet's mean/std"
         return f"normalised with {given}"
-    offered = named[0].values_for(values)
-    taken = [k for k, v in offered.items() if values[k] == v]
-    kept = [k for k, v in offered.items() if values[k] != v]
+    taken, kept = named[0].taken(values)
     words = f"{', '.join(taken) or 'nothing'} from the weights' metadata"
     return words + (f", yours: {', '.join(kept)}" if kept else "")
 

@@ -16,7 +16,7 @@ from paratrain.config import TrainConfig
 from paratrain.distributed.env import DistEnv, detect
 from paratrain.distributed.launch import CHECKED
 from paratrain.errors import UserError
-from paratrain.parallel import get as strategy_of
+from paratrain.parallel.base import get as strategy_of
 
 
 def already_checked() -> bool:

@@ -98,15 +98,15 @@ def train_worker(cfg: TrainConfig, env: DistEnv) -> dict:
 
 
 def fit(cfg: TrainConfig, runtime: Runtime) -> dict:
-    """Train as configured (:func:`train`); the run folder is let go of at the end,
+    """Train as configured (:func:`_train`); the run folder is let go of at the end,
     however it ends, and removed if nothing was trained in it."""
     try:
-        return train(cfg, runtime)
+        return _train(cfg, runtime)
     finally:
         release_all()
 
 
-def train(cfg: TrainConfig, runtime: Runtime) -> dict:
+def _train(cfg: TrainConfig, runtime: Runtime) -> dict:
     """Train as configured, as this process's share of the job; returns rank 0's summary.
 
     The outline of every run, on every rank: set up (data, model, strategy, optimizer,

@@ -24,23 +24,20 @@ from paratrain.models.pretrained import timm_module
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
-TIMM = TIMM_PREFIX  # --model timm/<name>: a timm model (pip install 'paratrain[timm]')
-
-
 def list_models(timm: bool = False) -> list[str]:
     """Every torchvision classification model name; with ``timm``, timm's (timm/<name>)."""
     if timm:
-        return [TIMM + name for name in timm_module().list_models()]
+        return [TIMM_PREFIX + name for name in timm_module().list_models()]
     return sorted(torchvision.models.list_models(module=torchvision.models))
 
 
 def _create_timm(name: str, num_classes: int, image_size: int | None) -> nn.Module:
     """timm's model, randomly initialised: named weights are fetched and loaded by
     start_from (models/pretrained.py), as every other model's."""
-    timm, arch = timm_module(), name[len(TIMM) :]
+    timm, arch = timm_module(), name[len(TIMM_PREFIX) :]
     if not timm.is_model(arch):
         close = timm.list_models(f"*{arch.split('_')[0]}*")[:6]
-        hint = f"; similar: {', '.join(TIMM + c for c in close)}" if close else ""
+        hint = f"; similar: {', '.join(TIMM_PREFIX + c for c in close)}" if close else ""
         raise UserError(f"unknown model {name!r} (see `paratrain models --timm`){hint}")
     try:  # vision transformers are built for one input size
         return timm.create_model(arch, pretrained=False, num_classes=num_classes,
@@ -52,7 +49,7 @@ def _create_timm(name: str, num_classes: int, image_size: int | None) -> nn.Modu
 def create_model(name: str, num_classes: int, image_size: int | None = None) -> nn.Module:
     """A randomly initialised torchvision (or timm/<name>) classifier with
     ``num_classes`` outputs."""
-    if name.startswith(TIMM):
+    if name.startswith(TIMM_PREFIX):
         return _create_timm(name, num_classes, image_size)
     available = list_models()
     if name not in available:

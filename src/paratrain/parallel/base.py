@@ -10,10 +10,13 @@ or each rank its shards. Nothing outside ``parallel/`` asks for a strategy by na
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from paratrain.errors import UserError
+from paratrain.parallel import STRATEGIES
+from paratrain.parallel.layout import Layout
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -25,52 +28,6 @@ if TYPE_CHECKING:
     from paratrain.distributed.runtime import Runtime
     from paratrain.parallel.partition import Traced, Unit
     from paratrain.parallel.parts import ModelParts
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Which rank is which (torchtitan's ParallelDims): ``world`` ranks as ``replicate``
-    groups of whole copies x ``shard`` ranks sharing one copy's parameters x ``stages``
-    pipeline stages of one copy, the stages innermost (one copy's stages are neighbours,
-    on one machine) and the shards next (one node's ranks share a copy under hsdp)."""
-
-    world: int = 1
-    rank: int = 0
-    replicate: int = 1
-    shard: int = 1
-    stages: int = 1
-
-    def __post_init__(self) -> None:
-        if self.replicate * self.shard * self.stages != self.world:
-            raise ValueError(
-                f"{self.replicate} replicas x {self.shard} shards x {self.stages} stages "
-                f"is not {self.world} ranks"
-            )
-        if not 0 <= self.rank < self.world:
-            raise ValueError(f"rank {self.rank} outside {self.world} ranks")
-
-    @property
-    def dp_size(self) -> int:
-        """Ranks that read different batches: the global batch is the batch times this."""
-        return self.replicate * self.shard
-
-    @property
-    def dp_rank(self) -> int:
-        """Which of them this rank is: it reads the dp_rank-th shard of every epoch."""
-        return self.rank // self.stages
-
-    @property
-    def stage(self) -> int:
-        """This rank's pipeline stage (0 without a pipeline)."""
-        return self.rank % self.stages
-
-    def stage_ranks(self, dp_rank: int) -> list[int]:
-        """The ranks of one copy's stages, in stage order."""
-        return [dp_rank * self.stages + s for s in range(self.stages)]
-
-    def dp_ranks(self, stage: int) -> list[int]:
-        """The ranks holding one stage, one per data-parallel rank."""
-        return [r * self.stages + stage for r in range(self.dp_size)]
 
 
 @dataclass
@@ -184,8 +141,6 @@ class Strategy:
         """The rules of the settings only this strategy reads (--stages, --devices ...)."""
 
     def _takers(self, feature: str) -> list[str]:
-        from paratrain.parallel import STRATEGIES, get
-
         return [name for name in STRATEGIES if feature in get(name).takes]
 
     def check_machine(self, cfg: TrainConfig, world: int) -> None:
@@ -277,3 +232,12 @@ def staged_memory(name: str, profile: MemoryProfile, pipelined: bool) -> DeviceM
 def parse_list(text: str | None) -> list[str]:
     """A comma-separated flag value as its items."""
     return [item.strip() for item in (text or "").split(",") if item.strip()]
+
+
+def get(name: str) -> Strategy:
+    """The strategy called ``name`` (a name the settings were checked against): the
+    ``STRATEGY`` of ``paratrain.parallel.<name>``."""
+    if name not in STRATEGIES:
+        raise UserError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {name!r}")
+    strategy: Strategy = importlib.import_module(f"paratrain.parallel.{name}").STRATEGY
+    return strategy

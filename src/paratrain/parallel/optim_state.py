@@ -41,7 +41,12 @@ class Grouping:
         return self.scales.get(name, 1.0)
 
     def in_head(self, name: str) -> bool:
-        return self.head is not None and (name == self.head or name.startswith(self.head + "."))
+        return self.head is not None and within(name, self.head)
+
+
+def within(name: str, module: str) -> bool:
+    """Whether ``name`` (a parameter's or a module's) is ``module`` or inside it."""
+    return name == module or name.startswith(module + ".")
 
 
 def grouping(cfg, model: nn.Module | None = None) -> Grouping:
@@ -95,7 +100,10 @@ def lr_scales(
     ``head_mult``; with ``layer_decay``, a block ``d`` blocks below the head
     ``layer_decay ** d`` (timm's layer decay). Consecutive parameters outside any block
     (a stem, a ViT's embeddings) are one layer; the first block after them the next."""
-    in_head = Grouping(head=head).in_head
+
+    def in_head(name: str) -> bool:
+        return head is not None and within(name, head)
+
     layer, depth, last, last_indexed = {}, -1, None, True
     for name in names:
         if in_head(name):

@@ -24,7 +24,8 @@ from torch import nn
 
 from paratrain.config import TrainConfig
 from paratrain.distributed.runtime import Runtime
-from paratrain.parallel import get, optim_state
+from paratrain.parallel import optim_state
+from paratrain.parallel.base import get
 from paratrain.parallel.parts import ModelParts
 
 __all__ = ["build_parts", "parallelize"]

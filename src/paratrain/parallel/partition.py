@@ -23,6 +23,7 @@ import torch.fx as fx
 from torch import nn
 
 from paratrain.errors import UserError
+from paratrain.parallel.optim_state import within
 
 
 def optimizer_slots(opt: str, momentum: float) -> int:
@@ -71,7 +72,7 @@ def trace(model: nn.Module, model_name: str = "model") -> Traced:
     own = dict(graph.named_parameters())
     for unit in units:
         targets = {str(n.target) for n in unit.nodes if n.op in ("call_module", "get_attr")}
-        params = [p for name, p in own.items() if any(_within(name, t) for t in targets)]
+        params = [p for name, p in own.items() if any(within(name, t) for t in targets)]
         unit.parameters = sum(p.numel() for p in params)
         unit.parameter_bytes = sum(p.numel() * p.element_size() for p in params)
     return Traced(graph, units)
@@ -88,10 +89,6 @@ def _not_in_place(graph: fx.GraphModule, node: fx.Node) -> None:
     elif node.kwargs.get("inplace"):
         node.kwargs = {**node.kwargs, "inplace": False}
         graph.recompile()
-
-
-def _within(qualified: str, target: str) -> bool:
-    return qualified == target or qualified.startswith(target + ".")
 
 
 def _units(graph: fx.GraphModule) -> list[Unit]:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from paratrain.models.registry import logits_of
-from paratrain.parallel.base import Layout
+from paratrain.parallel.layout import Layout
 from paratrain.parallel.optim_state import Grouping
 
 

@@ -72,6 +72,14 @@ def format_measured(report: dict) -> str:
         f"{p['backward_ms']:.1f} ms, optimizer {p['optimizer_ms']:.1f} ms; gradients "
         f"{p['gradient_mb']:.1f} MB in {p['buckets']} DDP bucket(s)"
     )
+    lines += _comparison_lines(report)
+    lines += _prediction_lines(report)
+    return "\n".join(lines)
+
+
+def _comparison_lines(report: dict) -> list[str]:
+    """Predicted beside measured, per process count (empty when nothing was compared)."""
+    lines: list[str] = []
     if report["comparison"]:
         lines.append(
             "predicted beside measured (same threads per process; predicted = that N's "
@@ -106,6 +114,12 @@ def format_measured(report: dict) -> str:
             "  (from 1 process alone: one process's compute, as a device would keep it; "
             "the gap is what processes sharing these cores cost each other)"
         )
+    return lines
+
+
+def _prediction_lines(report: dict) -> list[str]:
+    """Larger clusters on the chosen network, then every link preset's efficiency."""
+    lines: list[str] = []
     lines.append(
         f"predicted, {report['network']} (each device computing as one process alone here):"
     )
@@ -150,7 +164,7 @@ def format_measured(report: dict) -> str:
             for name, v in report["presets"].items()
         ],
     )
-    return "\n".join(lines)
+    return lines
 
 
 def format_calibration(report: dict, source: str) -> str:
