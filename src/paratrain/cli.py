@@ -61,7 +61,7 @@ COMMANDS: dict[str, Command] = {
     "eval": Command("evaluate a checkpoint on the validation images", EvalOptions),
     "predict": Command("class probabilities for images or folders of images", PredictOptions),
     "export": Command(
-        "write a checkpoint as a torch.export program or as safetensors", ExportOptions
+        "write a checkpoint as a torch.export program, ONNX or safetensors", ExportOptions
     ),
     "runs": Command("a table of the runs in a folder", RunsOptions),
     "models": Command("list the model names --model accepts", ModelsOptions),

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from PIL import Image
 
 from imagefolders import make_image_folder
 from paratrain import TrainConfig, train
@@ -144,6 +145,90 @@ def test_export_pt2_round_trips(trained_run, tmp_path, capsys):
             torch.testing.assert_close(program(images), model(images), rtol=1e-5, atol=1e-5)
     index = json.loads((root / "runs/r/export/class_indices.json").read_text())
     assert index == {"0": "class_0", "1": "class_1", "2": "class_2"}
+
+
+def test_export_onnx_runs_in_onnxruntime_like_torch_and_predict_takes_it(trained_run, capsys):
+    pytest.importorskip("onnxruntime")  # the [onnx] extra; the test extras install it
+    import onnx
+    import onnxruntime
+
+    from paratrain.data.transforms import eval_transform
+    from paratrain.engine.predict import load_for_inference
+
+    root, data, _ = trained_run
+    checkpoint = str(root / "runs/r/checkpoints/last.pt")
+    assert main(["export", "--checkpoint", checkpoint, "--format", "onnx"]) == 0
+    out = root / "runs/r/export/model.onnx"
+    assert str(out) in capsys.readouterr().out
+    meta = json.loads({p.key: p.value for p in onnx.load(str(out)).metadata_props}["paratrain"])
+    model, cfg, classes = load_for_inference(checkpoint, torch.device("cpu"))
+    assert meta["classes"] == classes and meta["image_size"] == cfg.eval_crop == 16
+    assert (meta["mean"], meta["std"]) == (list(cfg.norm_mean), list(cfg.norm_std))
+    # a few real images through the eval transform the metadata describes, batch dynamic
+    transform = eval_transform(
+        meta["image_size"], meta["resize"], meta["interpolation"], meta["mean"], meta["std"]
+    )
+    images = [Image.open(p).convert("RGB") for p in sorted((data / "class_2").iterdir())[:5]]
+    batch = torch.stack([transform(image) for image in images])
+    session = onnxruntime.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == ["images"]
+    for n in (1, 5):
+        got = session.run(None, {"images": batch[:n].numpy()})[0]
+        with torch.no_grad():
+            torch.testing.assert_close(
+                torch.from_numpy(got), model(batch[:n]), rtol=1e-4, atol=1e-4
+            )
+    # predict reads the .onnx (and the .pt2) as it reads the checkpoint: same answers
+    folder = str(data / "class_2")
+    assert main(["export", "--checkpoint", checkpoint, "--format", "pt2"]) == 0
+    capsys.readouterr()
+    said = {}
+    for source in (checkpoint, str(out), str(root / "runs/r/export/model.pt2")):
+        assert main(["predict", "--checkpoint", source, folder, "--top-k", "1"]) == 0
+        said[source] = [line.rsplit(" ", 2) for line in capsys.readouterr().out.splitlines()]
+    first, *others = said.values()
+    assert len(first) == 15
+    for rows in others:
+        assert [r[:2] for r in rows] == [r[:2] for r in first]  # same image, same class
+        for a, b in zip(rows, first, strict=True):
+            assert float(a[2]) == pytest.approx(float(b[2]), abs=2e-3)
+
+
+def test_predict_refuses_a_file_that_is_no_model_and_ema_on_an_export(trained_run, capsys):
+    root, data, _ = trained_run
+    bogus = root / "bogus.onnx"
+    bogus.write_bytes(b"not a model")
+    assert main(["predict", "--checkpoint", str(bogus), str(data / "class_0")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"paratrain: error: {bogus} is not an ONNX model") and "\n" not in err
+    checkpoint = str(root / "runs/r/checkpoints/last.pt")
+    assert (
+        main(
+            ["export", "--checkpoint", checkpoint, "--format", "pt2", "--out", str(root / "m.pt2")]
+        )
+        == 0
+    )
+    capsys.readouterr()
+    assert main(["predict", "--checkpoint", str(root / "m.pt2"), "--ema", str(data)]) == 2
+    assert "--ema needs a checkpoint" in capsys.readouterr().err
+
+
+def test_onnx_without_its_packages_names_the_extra(trained_run, monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "onnxscript" else real(name, *a),
+    )
+    root, _, _ = trained_run
+    checkpoint = str(root / "runs/r/checkpoints/last.pt")
+    for dry in ([], ["--dry-run"]):
+        assert main(["export", "--checkpoint", checkpoint, "--format", "onnx", *dry]) == 2
+        assert capsys.readouterr().err.strip() == (
+            "paratrain: error: export --format onnx needs onnxscript: pip install 'paratrain[onnx]'"
+        )
 
 
 def test_export_safetensors_round_trips_and_trains_from(trained_run, tmp_path, capsys):

@@ -107,7 +107,13 @@ class EvalOptions(Options):
 
 @dataclass
 class PredictOptions(Options):
-    checkpoint: str | None = _checkpoint()
+    checkpoint: str | None = setting(
+        None,
+        "a paratrain checkpoint (a .pt file, or a sharded checkpoint's folder), or a model "
+        "`paratrain export` wrote (.pt2, .onnx)",
+        required=True,
+        metavar="PATH",
+    )
     inputs: list = setting(
         [], "image files and/or folders", positional=True, nargs="+", metavar="INPUT"
     )
@@ -124,9 +130,10 @@ class ExportOptions(Options):
     checkpoint: str | None = _checkpoint()
     format: str = setting(
         "pt2",
-        "a torch.export program (.pt2), safetensors, or pt: one checkpoint file (a sharded "
-        "checkpoint consolidated: resumable, and usable as --weights)",
-        choices=("pt2", "safetensors", "pt"),
+        "a torch.export program (.pt2), onnx (needs paratrain[onnx]), safetensors, or pt: "
+        "one checkpoint file (a sharded checkpoint consolidated: resumable, and usable as "
+        "--weights)",
+        choices=("pt2", "onnx", "safetensors", "pt"),
     )
     out: str | None = setting(
         None, "output file", metavar="FILE", default_text="<run>/export/model.<format>"

@@ -1,18 +1,22 @@
-"""`paratrain export`: a checkpoint as a torch.export program (.pt2) or as safetensors.
+"""`paratrain export`: a checkpoint as a torch.export program (.pt2), an ONNX model
+(torch's dynamo exporter) or safetensors.
 
-Both carry what a user of the model needs besides the weights: the class names in index
+Each carries what a user of the model needs besides the weights: the class names in index
 order (inside the file, and as class_indices.json beside it), the model name and the
-input size the eval transform produces.
+eval transform (resize, crop, mean, std, interpolation). `paratrain predict` runs the
+.pt2 and .onnx files as it runs a checkpoint.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from paratrain.config import ExportOptions
+from paratrain.errors import UserError
 from paratrain.models.registry import check_weights_fit
 
 
@@ -32,6 +36,8 @@ def check_export(checkpoint_path: str, opts: ExportOptions) -> Path:
     """What export would write, its checkpoint checked as export reads it."""
     from paratrain.engine.predict import load_for_inference
 
+    if opts.format == "onnx":
+        need_onnx("export --format onnx")
     load_for_inference(checkpoint_path, torch.device("cpu"), opts.ema)
     return Path(opts.out) if opts.out else default_output(checkpoint_path, opts.format, opts.ema)
 
@@ -39,7 +45,7 @@ def check_export(checkpoint_path: str, opts: ExportOptions) -> Path:
 def export(
     checkpoint_path: str, fmt: str, out: str | None = None, ema: bool = False
 ) -> dict[str, str]:
-    """Write the export and class_indices.json; return their paths. ``fmt``: pt2,
+    """Write the export and class_indices.json; return their paths. ``fmt``: pt2, onnx,
     safetensors or pt (checked with the command's options)."""
     from paratrain.engine.predict import load_for_inference
 
@@ -60,6 +66,8 @@ def export(
     }
     if fmt == "pt2":
         _save_program(model, cfg.eval_crop, meta, target)
+    elif fmt == "onnx":
+        _save_onnx(model, cfg.eval_crop, meta, target)
     else:
         _save_safetensors(model, meta, target)
     index = target.parent / "class_indices.json"
@@ -93,6 +101,68 @@ def _save_program(model, image_size: int, meta: dict, target: Path) -> None:
     torch.export.save(program, target, extra_files={"paratrain.json": json.dumps(meta)})
 
 
+# the ONNX graph's input and output names, and the metadata key holding paratrain's JSON
+ONNX_INPUT, ONNX_OUTPUT, ONNX_META = "images", "logits", "paratrain"
+
+
+def need_onnx(what: str, runtime: bool = False) -> None:
+    """One line naming the extra when the ONNX packages are missing."""
+    import importlib.util
+
+    modules = ("onnxruntime",) if runtime else ("onnx", "onnxscript")
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UserError(f"{what} needs {' and '.join(missing)}: pip install 'paratrain[onnx]'")
+
+
+def _save_onnx(model, image_size: int, meta: dict, target: Path) -> None:
+    """torch.onnx's dynamo exporter, the batch dimension dynamic; paratrain's metadata
+    (classes and eval transform) in the model's metadata_props as one JSON string."""
+    need_onnx("export --format onnx")
+    example = (torch.randn(2, 3, image_size, image_size),)
+    with torch.no_grad():
+        program = torch.onnx.export(
+            model,
+            example,
+            dynamo=True,
+            input_names=[ONNX_INPUT],
+            output_names=[ONNX_OUTPUT],
+            dynamic_shapes=({0: torch.export.Dim("batch")},),
+            verbose=False,
+        )
+    if program is None:  # the dynamo exporter always returns its program
+        raise RuntimeError("torch.onnx.export returned no program")
+    program.model.metadata_props[ONNX_META] = json.dumps(meta)
+    program.save(str(target))
+
+
+def load_onnx(path: str | Path, device: str = "cpu") -> tuple[Callable, dict]:
+    """An ONNX export as a function of a batch (a CPU float tensor) returning its logits,
+    and its paratrain metadata. Runs on onnxruntime's CUDA provider when asked for cuda
+    and it is there, else on the CPU."""
+    need_onnx(f"predicting with {path}", runtime=True)
+    import onnxruntime
+
+    providers = ["CPUExecutionProvider"]
+    if device.startswith("cuda") and "CUDAExecutionProvider" in (
+        onnxruntime.get_available_providers()
+    ):
+        providers.insert(0, "CUDAExecutionProvider")
+    try:
+        session = onnxruntime.InferenceSession(str(path), providers=providers)
+    except Exception as error:  # onnxruntime's own exception types differ by build
+        raise UserError(f"{path} is not an ONNX model onnxruntime can load: {error}") from None
+    meta = session.get_modelmeta().custom_metadata_map.get(ONNX_META)
+    if meta is None:
+        raise UserError(f"{path} was not exported by paratrain (no '{ONNX_META}' metadata)")
+    name = session.get_inputs()[0].name
+
+    def run(images: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(session.run(None, {name: images.cpu().numpy()})[0])
+
+    return run, json.loads(meta)
+
+
 def _save_safetensors(model, meta: dict, target: Path) -> None:
     from safetensors.torch import save_file
 
@@ -107,5 +177,12 @@ def _save_safetensors(model, meta: dict, target: Path) -> None:
 def load_program(path: str | Path) -> tuple[torch.nn.Module, dict]:
     """The exported program's callable module and its paratrain metadata."""
     extra = {"paratrain.json": ""}
-    program = torch.export.load(str(path), extra_files=extra)
+    try:
+        program = torch.export.load(str(path), extra_files=extra)
+    except Exception as error:  # a zip that is not a program, a program of another torch
+        raise UserError(
+            f"{path} is not a torch.export program this torch can load: {error}"
+        ) from None
+    if not extra["paratrain.json"]:
+        raise UserError(f"{path} was not exported by paratrain (no paratrain.json inside)")
     return program.module(), json.loads(extra["paratrain.json"])

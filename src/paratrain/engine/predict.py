@@ -1,10 +1,12 @@
-"""Use a trained checkpoint: class probabilities for images and folders of images."""
+"""Use a trained model: class probabilities for images and folders of images, from a
+checkpoint or from what `paratrain export` wrote (.pt2, .onnx)."""
 
 from __future__ import annotations
 
 import csv
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -56,6 +58,42 @@ def load_for_inference(
     return model.to(device).eval(), cfg, state.classes
 
 
+@dataclass
+class Inference:
+    """A model ready to predict: logits of a batch, its classes and its eval transform."""
+
+    logits: Callable[[torch.Tensor], torch.Tensor]
+    classes: list[str]
+    transform: Callable
+    shrink: int  # the eval transform's resize: a JPEG may be decoded at reduced scale
+    device: torch.device
+
+
+def open_model(path: str, device: torch.device, ema: bool = False) -> Inference:
+    """A checkpoint (or a sharded checkpoint's folder), a .pt2 program or an .onnx model,
+    each with its classes and the transform it was trained for."""
+    from paratrain.engine.export import load_onnx, load_program
+
+    suffix = Path(path).suffix.lower()
+    if suffix in (".onnx", ".pt2"):
+        if ema:
+            raise UserError(f"--ema needs a checkpoint: {path} holds one set of weights")
+        if suffix == ".onnx":
+            run, meta = load_onnx(path, device.type)
+        else:
+            module, meta = load_program(path)
+            run = module.to(device)
+        transform = eval_transform(
+            meta["image_size"], meta["resize"], meta["interpolation"], meta["mean"], meta["std"]
+        )
+        return Inference(run, meta["classes"], transform, meta["resize"], device)
+    model, cfg, classes = load_for_inference(path, device, ema)
+    transform = eval_transform(
+        cfg.eval_crop, cfg.eval_resize, cfg.interpolation, cfg.norm_mean, cfg.norm_std
+    )
+    return Inference(lambda x: logits_of(model(x)), classes, transform, cfg.eval_resize, device)
+
+
 @torch.no_grad()
 def predict(
     checkpoint_path: str,
@@ -71,12 +109,8 @@ def predict(
     predicted. ``on_rows`` receives each batch's rows as soon as they are known."""
     if top_k < 1:
         raise UserError(f"--top-k must be at least 1, got {top_k}")
-    where = choose_device(DistEnv(), device)
-    model, cfg, classes = load_for_inference(checkpoint_path, where, ema)
-    transform = eval_transform(
-        cfg.eval_crop, cfg.eval_resize, cfg.interpolation, cfg.norm_mean, cfg.norm_std
-    )
-    shrink = cfg.eval_resize
+    model = open_model(checkpoint_path, choose_device(DistEnv(), device), ema)
+    classes = model.classes
     paths = collect_images(inputs)
     k = min(top_k, len(classes))
     rows: list[dict] = []
@@ -86,16 +120,16 @@ def predict(
             chunk, images = [], []
             batch_paths = paths[start : start + batch_size]
             for path in batch_paths:
-                image, problem = read_rgb(path, shrink)
+                image, problem = read_rgb(path, model.shrink)
                 if image is None:
                     unreadable.append((path, problem or "unreadable"))
                     continue
                 chunk.append(path)
-                images.append(transform(image))
+                images.append(model.transform(image))
             bar.update(len(batch_paths))
             if not chunk:
                 continue
-            probabilities = logits_of(model(torch.stack(images).to(where))).float().softmax(1)
+            probabilities = model.logits(torch.stack(images).to(model.device)).float().softmax(1)
             values, indices = probabilities.topk(k, dim=1)
             batch_rows = [
                 {"path": path, "top": [(classes[i], v) for i, v in zip(idx, vals, strict=True)]}
@@ -109,7 +143,7 @@ def predict(
 
 def check_inputs(checkpoint_path: str, inputs: Sequence[str], ema: bool = False) -> list[str]:
     """What predict would read, checked without predicting: the images it would find."""
-    load_for_inference(checkpoint_path, torch.device("cpu"), ema)
+    open_model(checkpoint_path, torch.device("cpu"), ema)
     return collect_images(inputs)
 
 
