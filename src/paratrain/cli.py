@@ -38,7 +38,7 @@ from paratrain.config import (
     settings,
 )
 from paratrain.config.schema import Setting, coerce_all
-from paratrain.config.train import read_recipe
+from paratrain.config.train import migrate_settings, read_recipe
 from paratrain.errors import UserError
 from paratrain.log import mark_start
 from paratrain.version import __version__
@@ -213,7 +213,11 @@ def resolve_train_args(args: argparse.Namespace) -> TrainConfig:
     them, presets for what neither gave."""
     config_file = getattr(args, "config", None)
     source = f"--config {config_file}"  # a wrong value in the file is named with it
-    given = coerce_all(TrainConfig, read_yaml(config_file), source, True) if config_file else {}
+    given = (
+        coerce_all(TrainConfig, migrate_settings(read_yaml(config_file), source), source, True)
+        if config_file
+        else {}
+    )
     recipe = getattr(args, "recipe", None)
     return resolve_train(
         {**given, **_given(args, TrainConfig)},

@@ -39,9 +39,7 @@ class NoBatchNormNet(nn.Module):
 
 
 def _one_step(rank, world, model_name, sync_bn):
-    cfg = TrainConfig(
-        model="resnet18", image_size=SIZE, sync_bn=sync_bn, lr=0.1, lr_scaling="none", seed=3
-    )
+    cfg = TrainConfig(model="resnet18", image_size=SIZE, sync_bn=sync_bn, lr=0.1, seed=3)
     torch.manual_seed(0)
     x = torch.randn(GLOBAL_BATCH, 3, SIZE, SIZE)
     y = torch.randint(0, 10, (GLOBAL_BATCH,))

@@ -39,7 +39,6 @@ def _config(**overrides) -> TrainConfig:
         image_size=SIZE,
         precision="32",
         lr=0.1,
-        lr_scaling="none",
         seed=3,
         batch_size=BATCH,
         memory_format="contiguous",

@@ -32,7 +32,6 @@ def _cfg(strategy: str, **extra) -> TrainConfig:
         image_size=SIZE,
         precision="32",
         lr=0.05,
-        lr_scaling="none",
         seed=5,
         batch_size=BATCH,
         strategy=strategy,

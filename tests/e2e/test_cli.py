@@ -88,7 +88,7 @@ def test_two_process_epoch_writes_every_run_file(trained):
     assert "  processes: 2 process(es) (torchrun)" in first.stdout
     assert "  device: cpu, backend gloo, strategy ddp" in first.stdout
     assert "  global batch: 8 (4 x 2 replica(s))" in first.stdout
-    assert "  schedule: sgd, peak lr 0.02 (0.01 x 2, linear scaling)" in first.stdout
+    assert "  schedule: sgd, peak lr 0.005 (--lr-base 0.16 x global batch 8 / 256)" in first.stdout
     assert first.stdout.count("epoch 1/1") == 1  # rank 0 speaks, rank 1 stays quiet
     assert json.loads((root / "runs/r1/class_indices.json").read_text()) == {
         "0": "class_0",

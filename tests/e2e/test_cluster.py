@@ -320,6 +320,6 @@ def test_elastic_a_node_leaves_and_the_rest_go_on(tmp_path):
     assert [r["epoch"] for r in rows] == [1, 2, 3]  # every epoch once
     assert [r["world_size"] for r in rows] == [2, 1, 1]
     log = (tmp_path / "staying.log").read_text()
-    assert "world size 2 -> 1: global batch 8 -> 4, lr 0.02 -> 0.01" in log
+    assert "world size 2 -> 1: global batch 8 -> 4, lr 0.005 -> 0.0025" in log
     assert "resumed from runs/elastic/checkpoints/last.pt at epoch 2" in log
     assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 1

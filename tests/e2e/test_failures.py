@@ -153,7 +153,7 @@ def test_resume_with_another_world_size_says_what_changed(data, uninterrupted):
     root, folder = data
     out, _ = run(root, *job(folder, "straight", "--resume", "auto", nproc=1, epochs=3))
     assert out.returncode == 0, out.stderr
-    assert "world size 2 -> 1: global batch 8 -> 4, lr 0.02 -> 0.01" in out.stdout
+    assert "world size 2 -> 1: global batch 8 -> 4, lr 0.005 -> 0.0025" in out.stdout
     rows = (root / "runs/straight/metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["epoch"] for r in rows] == [1, 2, 3]
 

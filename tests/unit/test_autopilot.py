@@ -115,8 +115,9 @@ def test_dry_run_shows_every_choice_and_a_run_records_them(tmp_path, monkeypatch
     code, out, err = _run([*common, "--name", "auto"])
     assert code == 0, err
     saved = yaml.safe_load(Path("runs/auto/config.yaml").read_text())
-    assert isinstance(saved["lr"], float) and isinstance(saved["batch_size"], int)
+    assert saved["lr"] is None and isinstance(saved["lr_base"], float)  # scales with the batch
+    assert isinstance(saved["batch_size"], int) and saved["lr_base_size"] == saved["batch_size"]
     assert saved["strategy"] == "ddp" and saved["nproc"] == 1
     assert Path("runs/auto/lr_range.png").stat().st_size > 0
     again = TrainConfig.from_yaml("runs/auto/config.yaml")  # reruns exactly
-    assert (again.lr, again.batch_size) == (saved["lr"], saved["batch_size"])
+    assert (again.lr_base, again.batch_size) == (saved["lr_base"], saved["batch_size"])

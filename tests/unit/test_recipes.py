@@ -103,7 +103,6 @@ def test_lars_scales_each_layers_step_by_its_trust_ratio():
     cfg = TrainConfig(
         opt="lars",
         lr=0.1,
-        lr_scaling="none",
         momentum=0.9,
         weight_decay=0.01,
         bias_weight_decay=0.0,
@@ -124,7 +123,7 @@ def test_lamb_comes_from_timm_with_adamws_defaults(tmp_path):
     cfg = resolve_train_args(
         build_parser().parse_args(["train", "--data", str(tmp_path), "--opt", "lamb"])
     )
-    assert (cfg.lr, cfg.weight_decay) == (0.001, 0.05)
+    assert (cfg.rate(1), cfg.weight_decay) == (0.001, 0.05)  # at batch 16
     optimizer = build_optimizer(ModelParts([_tiny()]), cfg, 1)
     assert type(optimizer).__name__ == "Lamb" and type(optimizer).__module__.startswith("timm.")
 
@@ -214,8 +213,9 @@ def test_each_shipped_recipe_holds_the_values_it_cites():
         "ema_decay": 0.99998,
     }
     assert tv["model"] == "resnet50" and tv["opt"] == "sgd" and tv["momentum"] == 0.9
-    assert tv["batch_size"] == published["batch"] and tv["lr_scaling"] == "linear"
-    assert tv["lr"] * published["gpus"] == pytest.approx(published["lr"])
+    assert tv["batch_size"] == published["batch"] and "lr" not in tv
+    cfg = TrainConfig.from_dict(tv)
+    assert cfg.rate(published["gpus"]) == pytest.approx(published["lr"])  # torchvision's 8 GPUs
     assert (tv["epochs"], tv["warmup_epochs"], tv["warmup_start"]) == (600, 5, 0.01)
     assert (tv["sched"], tv["lrf"]) == ("cosine", 0.0)
     assert (tv["weight_decay"], tv["norm_weight_decay"]) == (published["wd"], published["norm_wd"])
@@ -255,7 +255,7 @@ def test_a_recipe_fills_what_flags_and_config_do_not_give(tmp_path):
     cfg = resolve_train_args(
         build_parser().parse_args(["train", "--data", str(data), "--recipe", str(own)])
     )
-    assert (cfg.opt, cfg.mixup, cfg.lr) == ("adamw", 0.3, 0.001)  # adamw's preset still fills
+    assert (cfg.opt, cfg.mixup, cfg.lr_base) == ("adamw", 0.3, 0.016)  # adamw's preset fills
     assert main(["train", "--data", str(data), "--recipe", "nope", "--dry-run"]) == 2
 
 

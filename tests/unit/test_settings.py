@@ -325,16 +325,21 @@ def test_dry_run_checks_and_describes_without_running(folder, tmp_path, monkeypa
     assert "resolved config:" in out and "  image_size: 224" in out
     assert "2 processes started here by torch's elastic launcher" in out
     assert "global batch: 32 (16 x 2 replica(s))" in out
-    assert "peak lr 0.02 (0.01 x 2, linear scaling), warm-up 1 epoch(s) from 0.0002" in out
+    assert (
+        "peak lr 0.02 (--lr-base 0.16 x global batch 32 / 256), warm-up 1 epoch(s) from 0.0002"
+        in out
+    )
     assert "decoded-image cache: would be built" in out
     assert not (tmp_path / "runs").exists() and not cache.exists()  # nothing written
 
 
 def test_the_start_line_gives_the_peak_rate_and_the_warm_up_apart():
-    cfg = TrainConfig(lr=0.01, warmup_epochs=2, epochs=10, lrf=0.1)
-    text = describe_schedule(0.04, cfg)
+    cfg = TrainConfig(
+        lr_base=0.01, lr_base_size=16, batch_size=16, warmup_epochs=2, epochs=10, lrf=0.1
+    )
+    text = describe_schedule(cfg, 4)
     assert text == (
-        "peak lr 0.04 (0.01 x 4, linear scaling), warm-up 2 epoch(s) from 0.0004, "
+        "peak lr 0.04 (--lr-base 0.01 x global batch 64 / 16), warm-up 2 epoch(s) from 0.0004, "
         "cosine to 0.004 by epoch 10"
     )
 

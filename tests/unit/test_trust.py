@@ -136,7 +136,8 @@ def test_resume_with_other_rates_and_more_epochs_says_what_changed(trained, caps
     )
     assert code == 0, err
     assert "settings changed since the checkpoint:" in out
-    assert "lr 0.01 -> 0.02" in out and "weight_decay 0.005 -> 0.01" in out
+    assert "lr unset -> 0.02" in out and "weight_decay 0.005 -> 0.01" in out
+    assert "peak lr 0.0025 -> 0.02" in out  # --lr-base 0.16 x batch 4 / 256, then --lr
     state = checkpoint.load(root / "runs/more/checkpoints/last.pt")
     assert state.optimizer["param_groups"][0]["weight_decay"] == 0.01
     assert state.progress.epoch == 2

@@ -12,11 +12,12 @@ with the reason it was made; the run's config.yaml records the values chosen, so
 * batch: on CUDA the largest per-device batch that trains (doubling, then halving back
   after an out-of-memory, the model freed after each try), on a CPU the largest that the
   estimate fits in the free memory; times a margin, rounded down to a multiple of 8, and
-  no more than leaves 16 steps an epoch of the training images; the learning rate is
-  scaled with it (linear in the batch, from --lr at batch 16);
+  no more than leaves 16 steps an epoch of the training images; the learning rate
+  follows it through --lr-base (linear in the global batch) unless --lr gives the rate;
 * learning rate: a range test, an exponential sweep over a few hundred steps on the
-  training images; the rate where the smoothed loss falls fastest, divided by a safety
-  factor; its curve is drawn into the run folder.
+  training images on one process; the rate where the smoothed loss falls fastest,
+  divided by a safety factor, becomes --lr-base for that batch (--lr-base-size), so that
+  it scales with the global batch of the run; its curve is drawn into the run folder.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from paratrain.engine.step import Stepper, train_step
 from paratrain.errors import UserError
 
 V = TypeVar("V", int, float, str)
-DEFAULT_BATCH = 16  # the batch --lr is given for when --batch-size is auto
+DEFAULT_BATCH = 16  # the batch assumed until --batch-size auto is decided
 MARGIN = 0.8  # of the memory the batch may use
 SAFETY = 2.0  # the steepest rate of the range test over this
 MIN_STEPS = 16  # an epoch has at least this many steps: a batch is no more than its share
@@ -91,7 +92,7 @@ def measure_layouts(cfg: TrainConfig, cores: int) -> dict[int, float]:
         batch_size=batch,
         image_size=cfg.train_size,
         strategy="ddp",
-        lr=0.01 if cfg.lr == "auto" else cfg.lr,
+        lr=None if cfg.lr == "auto" else cfg.lr,
     )
     settings = ScaleSettings(steps=6, warmup=2)
     return {
@@ -362,7 +363,7 @@ def range_test(cfg: TrainConfig, steps: int, plot: Path | None, say) -> Choice[f
     from paratrain.data.transforms import Augment, DecodedSamples, TrainAugment, batched
 
     split = read_split(cfg)
-    sweep = replace(cfg, lr=1.0, lr_scaling="none", nproc=1, ema_decay=None)
+    sweep = replace(cfg, lr=1.0, nproc=1, ema_decay=None)
     torch.manual_seed(cfg.seed)
     stepper = _one_process_stepper(sweep, torch.device("cpu"), len(split.classes))
     data = DecodedSamples(split.train, TrainAugment(Augment.of(cfg)))
@@ -391,7 +392,8 @@ def range_test(cfg: TrainConfig, steps: int, plot: Path | None, say) -> Choice[f
         _plot(lrs, losses, steepest, chosen, plot)
     why = (
         f"range test over {len(lrs)} steps: the loss falls fastest at {steepest:.3g}, "
-        f"divided by {SAFETY:g}" + (f"; curve in {plot}" if plot else "")
+        f"divided by {SAFETY:g}, for a global batch of {cfg.batch} (--lr-base-size), scaled "
+        "with the run's" + (f"; curve in {plot}" if plot else "")
     )
     return Choice("--lr", float(f"{chosen:.3g}"), why)
 
@@ -474,20 +476,12 @@ def resolve(
                 f"fewer than {MIN_STEPS} steps an epoch of these images, so {cap}",
             )
         choices.append(batch)
-        if cfg.lr != "auto":  # --lr was for the default batch: linear in the batch
-            scaled = cfg.lr * batch.value / DEFAULT_BATCH
-            rate = Choice(
-                "--lr",
-                float(f"{scaled:.4g}"),
-                f"--lr {cfg.lr:g} scaled to batch {batch.value} from {DEFAULT_BATCH}",
-            )
-            choices.append(rate)
-            cfg = replace(cfg, lr=rate.value)
         cfg = replace(cfg, batch_size=batch.value)
     if cfg.lr == "auto":
         steps = range_steps or 200
         plot = plot_dir / "lr_range.png" if plot_dir is not None else None
         found = range_test(cfg, steps, plot, say)
         choices.append(found)
-        cfg = replace(cfg, lr=found.value)
+        # found on one process at this batch: the run's rate scales with its global batch
+        cfg = replace(cfg, lr=None, lr_base=found.value, lr_base_size=cfg.batch)
     return cfg.validate(), choices

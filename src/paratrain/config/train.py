@@ -344,26 +344,33 @@ class TrainConfig(Options):
     batch_size: int | Literal["auto"] = setting(
         16,
         "per process; the global batch is this x world size; auto: the largest that fits the "
-        "device's memory (a multiple of 8), --lr scaled with it from batch 16",
+        "device's memory (a multiple of 8)",
         group="optimisation",
         low=1,
         auto=True,
         short="-b",
     )
-    lr: float | Literal["auto"] = setting(
-        0.01,
-        "peak learning rate for one process (scaled with --lr-scaling); auto: a range test "
-        "picks it (its curve in the run folder)",
+    lr: float | Literal["auto"] | None = setting(
+        None,
+        "peak learning rate, used as given at any world size (timm's --lr); unset: "
+        "--lr-base scaled with the global batch; auto: a range test picks it (its curve in "
+        "the run folder)",
         group="optimisation",
         low=0.0,
         low_open=True,
         auto=True,
+        default_text="from --lr-base",
     )
-    lr_scaling: str = setting(
-        "linear",
-        "scale lr with the global batch (world size x --grad-accum)",
+    lr_base: float = setting(
+        0.16,
+        "the peak rate for a global batch of --lr-base-size, scaled linearly with the "
+        "global batch (batch size x world size x --grad-accum) when --lr is not given",
         group="optimisation",
-        choices=("linear", "none"),
+        low=0.0,
+        low_open=True,
+    )
+    lr_base_size: int = setting(
+        256, "the global batch --lr-base is for", group="optimisation", low=1
     )
     lrf: float = setting(
         0.1, "final lr as a fraction of lr", group="optimisation", low=0.0, high=1.0
@@ -762,10 +769,16 @@ class TrainConfig(Options):
         """--nproc once decided."""
         return concrete(self.nproc, "nproc")
 
-    @property
-    def rate(self) -> float:
-        """--lr once decided."""
-        return concrete(self.lr, "lr")
+    def rate(self, replicas: int) -> float:
+        """The peak learning rate on ``replicas`` copies of the model: --lr as given, else
+        --lr-base scaled linearly from --lr-base-size to the global batch."""
+        if self.lr is not None:
+            return concrete(self.lr, "lr")
+        return self.lr_base * self.global_batch(replicas) / self.lr_base_size
+
+    def global_batch(self, replicas: int) -> int:
+        """Images per optimizer step over every copy of the model."""
+        return self.batch * replicas * self.grad_accum
 
     @property
     def train_size(self) -> int:
@@ -835,7 +848,7 @@ class TrainConfig(Options):
     def from_dict(cls, values: Mapping[str, Any], source: str = "config") -> TrainConfig:
         """Exactly these values (the rest default; no preset); unknown keys and wrong
         types are UserErrors."""
-        return build(cls, values, source)
+        return build(cls, migrate_settings(values, source), source)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> TrainConfig:
@@ -928,8 +941,7 @@ PRESETS = (
             "model": "resnet18",
             "image_size": 16,
             "epochs": 8,
-            "batch_size": 32,
-            "lr": 0.02,
+            "batch_size": 32,  # lr 0.02 a process: --lr-base 0.16 for 256
             "crop_scale_min": 0.7,
             "hflip": 0.0,
             "warmup_epochs": 1,
@@ -941,7 +953,7 @@ PRESETS = (
     Preset(
         "adamw",
         lambda v: v.get("opt") in ("adamw", "lamb"),
-        {"lr": 0.001, "weight_decay": 0.05},
+        {"lr_base": 0.016, "weight_decay": 0.05},  # 0.001 at batch 16
         "--opt adamw or lamb",
     ),
     # Pretrained weights were trained on images prepared one way: their mean and std,
@@ -966,8 +978,10 @@ def resolve_train(
     or a mapping from Python): each preset that applies fills the settings the user did
     not give, later presets over earlier ones; a ``recipe`` (--recipe) over them; then
     everything is checked."""
-    values = coerce_all(TrainConfig, given, source)
-    chosen = coerce_all(TrainConfig, recipe or {}, recipe_source, checked=True)
+    values = coerce_all(TrainConfig, migrate_settings(given, source), source)
+    chosen = coerce_all(
+        TrainConfig, migrate_settings(recipe or {}, recipe_source), recipe_source, checked=True
+    )
     resolved = {**chosen, **values}
     for preset in PRESETS:
         if preset.applies(resolved):
@@ -1005,18 +1019,45 @@ def read_recipe(name_or_path: str) -> dict[str, Any]:
     return read_yaml(path)
 
 
+def _per_process_lr(values: dict[str, Any], scaling: Any, source: str, saved: bool) -> None:
+    """Before, --lr was one process's rate and lr_scaling: linear multiplied it by the
+    replicas x --grad-accum; --lr is now the rate used. A checkpoint's settings are
+    converted exactly (the same rates on resume); a config file is refused with how."""
+    lr, batch = values.get("lr"), values.get("batch_size")
+    linear = scaling == "linear" and isinstance(lr, int | float) and isinstance(batch, int)
+    if not saved:
+        how = (
+            f"replace 'lr: {lr}' and 'lr_scaling: linear' with 'lr_base: {lr}' and "
+            f"'lr_base_size: {batch}' (the same rates at every world size)"
+            if linear
+            else "delete the lr_scaling line (--lr is then the rate used, as before)"
+        )
+        raise UserError(
+            f"{source}: lr_scaling is gone: --lr is now the rate used at any world size "
+            f"(timm's convention); to keep this file's rates, {how}"
+        )
+    if linear:
+        values.update(lr=None, lr_base=float(lr), lr_base_size=batch)
+
+
 # Settings renamed or removed since an earlier paratrain: old name -> how to read it
-# (config.yaml files and the configs inside checkpoints are read through this).
-RENAMED: dict[str, Callable[[dict[str, Any], Any, str], None]] = {}
+# (config files and the configs inside checkpoints are read through this).
+RENAMED: dict[str, Callable[[dict[str, Any], Any, str, bool], None]] = {
+    "lr_scaling": _per_process_lr,
+}
 
 
-def migrate_settings(values: Mapping[str, Any], source: str = "config") -> dict[str, Any]:
-    """Settings written by an earlier paratrain, as this one names them; a setting that
-    changed its meaning is refused in one line that says how to convert it."""
+def migrate_settings(
+    values: Mapping[str, Any], source: str = "config", saved: bool = False
+) -> dict[str, Any]:
+    """Settings written by an earlier paratrain, as this one names them. ``saved``: a
+    checkpoint's settings, converted where the conversion is exact; in a file the user
+    keeps (a config, a recipe), a setting that changed its meaning is refused in one line
+    that says how to convert it."""
     migrated = dict(values)
     for old, convert in RENAMED.items():
         if old in migrated:
-            convert(migrated, migrated.pop(old), source)
+            convert(migrated, migrated.pop(old), source, saved)
     return migrated
 
 

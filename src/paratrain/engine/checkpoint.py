@@ -121,7 +121,7 @@ def migrate(raw: dict[str, Any], source: str = "checkpoint") -> dict[str, Any]:
         values["progress"] = progress
         values["replicas"] = values.pop("world_size", 1)
         values["format"] = 2
-    values["config"] = migrate_settings(values.get("config") or {}, source)
+    values["config"] = migrate_settings(values.get("config") or {}, source, saved=True)
     return values
 
 
@@ -361,7 +361,7 @@ def check_resumable(
                 "(the rest of the epoch follows that order)"
             )
         else:
-            changed.append(f"{s.name} {old} -> {new}")
+            changed.append(f"{s.name} {_shown(old)} -> {_shown(new)}")
     if state.classes != classes:
         old_classes, new_classes = state.classes or [], classes
         fixed.append(
@@ -432,6 +432,10 @@ def resume(
     if changed:
         log.info("settings changed since the checkpoint: " + ", ".join(changed))
     return progress
+
+
+def _shown(value: Any) -> str:
+    return "unset" if value is None else str(value)
 
 
 def _continue_with(

@@ -16,7 +16,7 @@ import yaml
 from paratrain.config import PRESETS, TrainConfig
 from paratrain.data.folder import DataSplit
 from paratrain.distributed.env import DistEnv
-from paratrain.engine.schedule import describe_schedule, peak_lr
+from paratrain.engine.schedule import describe_schedule
 from paratrain.parallel.base import get as strategy_of
 from paratrain.report.run_files import RunFacts, recipe_words
 
@@ -54,7 +54,7 @@ def run_facts(
         global_batch=(
             f"{cfg.batch * replicas * cfg.grad_accum} ({cfg.batch} x {replicas} replica(s){accum})"
         ),
-        schedule=f"{cfg.opt}, {describe_schedule(peak_lr(cfg, replicas), cfg)}",
+        schedule=f"{cfg.opt}, {describe_schedule(cfg, replicas)}",
         recipe=recipe_words(cfg),
         precision=precision
         + (" (auto)" if cfg.precision == "auto" else "")

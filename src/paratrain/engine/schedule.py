@@ -17,14 +17,20 @@ import torch
 from paratrain.config import TrainConfig
 
 
-def effective_lr(lr: float, world_size: int, scaling: str) -> float:
-    """The linear scaling rule: N times the global batch, N times the step size."""
-    return lr * world_size if scaling == "linear" else lr
-
-
 def peak_lr(cfg: TrainConfig, replicas: int) -> float:
-    """The rate the schedule peaks at: --lr scaled for the global batch."""
-    return effective_lr(cfg.rate, replicas * cfg.grad_accum, cfg.lr_scaling)
+    """The rate the schedule peaks at: --lr as given, else --lr-base scaled linearly to
+    the global batch (the linear scaling rule: N times the batch, N times the step)."""
+    return cfg.rate(replicas)
+
+
+def lr_rule(cfg: TrainConfig, replicas: int) -> str:
+    """Which rule gave the peak rate, for the start line and --dry-run."""
+    if cfg.lr is not None:
+        return "--lr as given"
+    return (
+        f"--lr-base {cfg.lr_base:g} x global batch {cfg.global_batch(replicas)} / "
+        f"{cfg.lr_base_size}"
+    )
 
 
 @dataclass(frozen=True)
@@ -111,20 +117,17 @@ def build_schedule(cfg: TrainConfig, replicas: int, steps_per_epoch: int) -> Sch
     )
 
 
-def describe_schedule(peak: float, cfg: TrainConfig) -> str:
+def describe_schedule(cfg: TrainConfig, replicas: int) -> str:
     """The rates a run goes through, for the start line and --dry-run: the peak, the
     warm-up (which starts lower) and how the rate falls."""
+    peak = peak_lr(cfg, replicas)
     warm = ""
     if cfg.warmup_epochs or cfg.warmup_steps:
         length = (
             f"{cfg.warmup_epochs} epoch(s)" if cfg.warmup_epochs else f"{cfg.warmup_steps} step(s)"
         )
         warm = f", warm-up {length} from {peak * cfg.warmup_start:g}"
-    scaled = (
-        f" ({cfg.rate:g} x {peak / cfg.rate:g}, {cfg.lr_scaling} scaling)"
-        if peak != cfg.rate
-        else ""
-    )
+    scaled = f" ({lr_rule(cfg, replicas)})"
     then = {
         "cosine": f"cosine to {peak * cfg.lrf:g} by epoch {cfg.epochs}"
         if not cfg.budget
