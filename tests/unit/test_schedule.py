@@ -83,6 +83,9 @@ def test_an_old_config_with_the_per_process_lr_is_refused_saying_how(tmp_path, c
         "and 'lr_scaling: linear' with 'lr_base: 0.02' and 'lr_base_size: 32' (the same "
         "rates at every world size)"
     )
+    old.write_text("lr_scaling: linear\n")  # the defaults of that time: 0.01 at 16
+    assert main(["train", "--config", str(old), "--dry-run"]) == 2
+    assert "with 'lr_base: 0.01' and 'lr_base_size: 16'" in capsys.readouterr().err
     old.write_text("lr: 0.02\nlr_scaling: none\n")
     assert main(["train", "--config", str(old), "--dry-run"]) == 2
     assert "delete the lr_scaling line" in capsys.readouterr().err

@@ -1023,7 +1023,7 @@ def _per_process_lr(values: dict[str, Any], scaling: Any, source: str, saved: bo
     """Before, --lr was one process's rate and lr_scaling: linear multiplied it by the
     replicas x --grad-accum; --lr is now the rate used. A checkpoint's settings are
     converted exactly (the same rates on resume); a config file is refused with how."""
-    lr, batch = values.get("lr"), values.get("batch_size")
+    lr, batch = values.get("lr", 0.01), values.get("batch_size", 16)  # the defaults then
     linear = scaling == "linear" and isinstance(lr, int | float) and isinstance(batch, int)
     if not saved:
         how = (
@@ -1037,6 +1037,7 @@ def _per_process_lr(values: dict[str, Any], scaling: Any, source: str, saved: bo
             f"(timm's convention); to keep this file's rates, {how}"
         )
     if linear:
+        assert isinstance(lr, int | float)
         values.update(lr=None, lr_base=float(lr), lr_base_size=batch)
 
 
