@@ -162,6 +162,6 @@ def test_the_fine_tune_recipe_is_a_fine_tune():
         {"data": "d", "model": "resnet34", "weights": "IMAGENET1K_V1"}, recipe=recipe
     )
     scratch = resolve_train({"data": "d", "model": "resnet34"})
-    assert cfg.lr < scratch.lr and cfg.head_lr_mult > 1 and cfg.freeze_epochs >= 1
+    assert cfg.rate(2) < scratch.rate(2) and cfg.head_lr_mult > 1 and cfg.freeze_epochs >= 1
     assert (cfg.sched, cfg.warmup_epochs, cfg.label_smoothing) == ("cosine", 1, 0.1)
     assert cfg.val_resize == 256 and cfg.weights == "IMAGENET1K_V1"
