@@ -55,11 +55,11 @@ def test_option_trains_to_finite_loss(small_data, tmp_path, options):
 
 def test_adamw_gets_its_own_defaults_unless_given(small_data):
     cfg = resolve_train({"data": str(small_data), "opt": "adamw"})
-    assert (cfg.lr, cfg.weight_decay) == (0.001, 0.05)
+    assert (cfg.rate(1), cfg.weight_decay) == (0.001, 0.05)  # at batch 16
     cfg = resolve_train({"data": str(small_data), "opt": "adamw", "lr": 0.003})
-    assert (cfg.lr, cfg.weight_decay) == (0.003, 0.05)
+    assert (cfg.rate(2), cfg.weight_decay) == (0.003, 0.05)  # --lr: the rate used
     cfg = resolve_train({"data": str(small_data)})
-    assert (cfg.opt, cfg.lr) == ("sgd", 0.01)
+    assert (cfg.opt, cfg.rate(1)) == ("sgd", 0.01)
 
 
 def test_mixer_mixes_images_and_targets_alike():

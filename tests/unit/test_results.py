@@ -128,8 +128,7 @@ def test_predict_skips_unreadable_and_hidden_images_and_says_so(trained_run, cap
 
 
 def test_export_pt2_round_trips(trained_run, tmp_path, capsys):
-    from paratrain.engine.export import load_program
-    from paratrain.engine.predict import load_for_inference
+    from paratrain.engine.predict import load_for_inference, load_program
 
     root, _, _ = trained_run
     checkpoint = str(root / "runs/r/checkpoints/last.pt")

@@ -23,7 +23,7 @@ from paratrain.engine.step import Stepper
 from paratrain.engine.trainer import train_step
 from paratrain.errors import UserError
 from paratrain.parallel.parts import ModelParts
-from paratrain.report.tensorboard import Board
+from paratrain.report.loggers import Loggers
 
 AMX = "processor : 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_tile amx_bf16\n"
 OLD = "processor : 0\nflags\t\t: fpu sse2 avx2\n"
@@ -87,7 +87,7 @@ def _one_step(model, batches, accum, clip=None):
         optimizer=optimizer,
         progress=Progress(),
         control=control,
-        board=Board(Path("unused"), False, 1),
+        loggers=Loggers(Path("unused"), (), {}, 1),
         stepper=Stepper(parts, optimizer, recipe, control),
     )
     train_step(run, iter(batches), len(batches))

@@ -40,6 +40,8 @@ MAX_IMAGE_SIZE = 4096
 INTERPOLATIONS = ("bilinear", "bicubic")  # how images are resized
 TIMM_PREFIX = "timm/"  # --model timm/<name>: a timm model
 DURATION = r"(\d+(\.\d+)?[smh])+"  # 90s, 15m, 2h, 1h30m
+TRACKER = r"(tensorboard|mlflow|wandb|csv)"
+LOGGERS = rf"{TRACKER}(,{TRACKER})*"
 NUMBERS3 = r"\s*[0-9.eE+-]+\s*,\s*[0-9.eE+-]+\s*,\s*[0-9.eE+-]+\s*"  # R,G,B
 # what a named --weights brings (mean, std, sizes, interpolation): its registry's
 # metadata, read by the models package (config never imports it)
@@ -699,11 +701,19 @@ class TrainConfig(Options):
         metavar="PATH|auto",
         resume="quiet",
     )
-    tensorboard: bool = setting(
-        False,
-        "also write TensorBoard scalars to <run>/tensorboard (needs the tensorboard package)",
+    logger: str | None = setting(
+        None,
+        "experiment trackers, comma-separated: tensorboard (<run>/tensorboard), mlflow "
+        "(MLFLOW_TRACKING_URI, else <output dir>/mlruns), wandb (<run>/wandb; offline "
+        "without an API key), csv (per-step <run>/steps.csv); each needs its extra",
         group="output",
+        pattern=LOGGERS,
+        pattern_text="tensorboard, mlflow, wandb or csv, comma-separated",
+        metavar="NAME[,NAME]",
         resume="quiet",
+    )
+    tensorboard: bool = setting(
+        False, "the same as --logger tensorboard", group="output", resume="quiet"
     )
 
     def check_paths(self) -> None:
@@ -775,6 +785,12 @@ class TrainConfig(Options):
         if self.lr is not None:
             return concrete(self.lr, "lr")
         return self.lr_base * self.global_batch(replicas) / self.lr_base_size
+
+    @property
+    def loggers(self) -> tuple[str, ...]:
+        """The trackers asked for (--logger, and --tensorboard), each once, in order."""
+        names = (self.logger or "").split(",") + (["tensorboard"] if self.tensorboard else [])
+        return tuple(dict.fromkeys(n for n in names if n))
 
     def global_batch(self, replicas: int) -> int:
         """Images per optimizer step over every copy of the model."""

@@ -10,13 +10,12 @@ eval transform (resize, crop, mean, std, interpolation). `paratrain predict` run
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from paratrain.config import ExportOptions
-from paratrain.errors import UserError
+from paratrain.engine.predict import ONNX_INPUT, ONNX_META, ONNX_OUTPUT, need_onnx
 from paratrain.models.registry import check_weights_fit
 
 
@@ -101,20 +100,6 @@ def _save_program(model, image_size: int, meta: dict, target: Path) -> None:
     torch.export.save(program, target, extra_files={"paratrain.json": json.dumps(meta)})
 
 
-# the ONNX graph's input and output names, and the metadata key holding paratrain's JSON
-ONNX_INPUT, ONNX_OUTPUT, ONNX_META = "images", "logits", "paratrain"
-
-
-def need_onnx(what: str, runtime: bool = False) -> None:
-    """One line naming the extra when the ONNX packages are missing."""
-    import importlib.util
-
-    modules = ("onnxruntime",) if runtime else ("onnx", "onnxscript")
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
-    if missing:
-        raise UserError(f"{what} needs {' and '.join(missing)}: pip install 'paratrain[onnx]'")
-
-
 def _save_onnx(model, image_size: int, meta: dict, target: Path) -> None:
     """torch.onnx's dynamo exporter, the batch dimension dynamic; paratrain's metadata
     (classes and eval transform) in the model's metadata_props as one JSON string."""
@@ -136,33 +121,6 @@ def _save_onnx(model, image_size: int, meta: dict, target: Path) -> None:
     program.save(str(target))
 
 
-def load_onnx(path: str | Path, device: str = "cpu") -> tuple[Callable, dict]:
-    """An ONNX export as a function of a batch (a CPU float tensor) returning its logits,
-    and its paratrain metadata. Runs on onnxruntime's CUDA provider when asked for cuda
-    and it is there, else on the CPU."""
-    need_onnx(f"predicting with {path}", runtime=True)
-    import onnxruntime
-
-    providers = ["CPUExecutionProvider"]
-    if device.startswith("cuda") and "CUDAExecutionProvider" in (
-        onnxruntime.get_available_providers()
-    ):
-        providers.insert(0, "CUDAExecutionProvider")
-    try:
-        session = onnxruntime.InferenceSession(str(path), providers=providers)
-    except Exception as error:  # onnxruntime's own exception types differ by build
-        raise UserError(f"{path} is not an ONNX model onnxruntime can load: {error}") from None
-    meta = session.get_modelmeta().custom_metadata_map.get(ONNX_META)
-    if meta is None:
-        raise UserError(f"{path} was not exported by paratrain (no '{ONNX_META}' metadata)")
-    name = session.get_inputs()[0].name
-
-    def run(images: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(session.run(None, {name: images.cpu().numpy()})[0])
-
-    return run, json.loads(meta)
-
-
 def _save_safetensors(model, meta: dict, target: Path) -> None:
     from safetensors.torch import save_file
 
@@ -172,17 +130,3 @@ def _save_safetensors(model, meta: dict, target: Path) -> None:
         str(target),
         metadata={"format": "pt", **{f"paratrain.{k}": json.dumps(v) for k, v in meta.items()}},
     )
-
-
-def load_program(path: str | Path) -> tuple[torch.nn.Module, dict]:
-    """The exported program's callable module and its paratrain metadata."""
-    extra = {"paratrain.json": ""}
-    try:
-        program = torch.export.load(str(path), extra_files=extra)
-    except Exception as error:  # a zip that is not a program, a program of another torch
-        raise UserError(
-            f"{path} is not a torch.export program this torch can load: {error}"
-        ) from None
-    if not extra["paratrain.json"]:
-        raise UserError(f"{path} was not exported by paratrain (no paratrain.json inside)")
-    return program.module(), json.loads(extra["paratrain.json"])

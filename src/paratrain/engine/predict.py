@@ -4,6 +4,7 @@ checkpoint or from what `paratrain export` wrote (.pt2, .onnx)."""
 from __future__ import annotations
 
 import csv
+import json
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -69,11 +70,64 @@ class Inference:
     device: torch.device
 
 
+# the ONNX graph's input and output names, and the metadata key holding paratrain's JSON
+ONNX_INPUT, ONNX_OUTPUT, ONNX_META = "images", "logits", "paratrain"
+
+
+def need_onnx(what: str, runtime: bool = False) -> None:
+    """One line naming the extra when the ONNX packages are missing."""
+    import importlib.util
+
+    modules = ("onnxruntime",) if runtime else ("onnx", "onnxscript")
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UserError(f"{what} needs {' and '.join(missing)}: pip install 'paratrain[onnx]'")
+
+
+def load_onnx(path: str | Path, device: str = "cpu") -> tuple[Callable, dict]:
+    """An ONNX export as a function of a batch (a CPU float tensor) returning its logits,
+    and its paratrain metadata. Runs on onnxruntime's CUDA provider when asked for cuda
+    and it is there, else on the CPU."""
+    need_onnx(f"predicting with {path}", runtime=True)
+    import onnxruntime
+
+    providers = ["CPUExecutionProvider"]
+    if device.startswith("cuda") and "CUDAExecutionProvider" in (
+        onnxruntime.get_available_providers()
+    ):
+        providers.insert(0, "CUDAExecutionProvider")
+    try:
+        session = onnxruntime.InferenceSession(str(path), providers=providers)
+    except Exception as error:  # onnxruntime's own exception types differ by build
+        raise UserError(f"{path} is not an ONNX model onnxruntime can load: {error}") from None
+    meta = session.get_modelmeta().custom_metadata_map.get(ONNX_META)
+    if meta is None:
+        raise UserError(f"{path} was not exported by paratrain (no '{ONNX_META}' metadata)")
+    name = session.get_inputs()[0].name
+
+    def run(images: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(session.run(None, {name: images.cpu().numpy()})[0])
+
+    return run, json.loads(meta)
+
+
+def load_program(path: str | Path) -> tuple[torch.nn.Module, dict]:
+    """The exported program's callable module and its paratrain metadata."""
+    extra = {"paratrain.json": ""}
+    try:
+        program = torch.export.load(str(path), extra_files=extra)
+    except Exception as error:  # a zip that is not a program, a program of another torch
+        raise UserError(
+            f"{path} is not a torch.export program this torch can load: {error}"
+        ) from None
+    if not extra["paratrain.json"]:
+        raise UserError(f"{path} was not exported by paratrain (no paratrain.json inside)")
+    return program.module(), json.loads(extra["paratrain.json"])
+
+
 def open_model(path: str, device: torch.device, ema: bool = False) -> Inference:
     """A checkpoint (or a sharded checkpoint's folder), a .pt2 program or an .onnx model,
     each with its classes and the transform it was trained for."""
-    from paratrain.engine.export import load_onnx, load_program
-
     suffix = Path(path).suffix.lower()
     if suffix in (".onnx", ".pt2"):
         if ema:

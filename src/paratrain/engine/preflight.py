@@ -65,7 +65,14 @@ def check_settings(cfg: TrainConfig, world: int | None, model: bool = False) -> 
 EXTRAS = (
     ("timm", "paratrain[timm]", lambda cfg: cfg.model.startswith("timm/"), "--model timm/..."),
     ("timm", "paratrain[timm]", lambda cfg: cfg.opt in ("lars", "lamb"), "--opt lars and lamb"),
-    ("tensorboard", "tensorboard", lambda cfg: cfg.tensorboard, "--tensorboard"),
+    (
+        "tensorboard",
+        "paratrain[tensorboard]",
+        lambda c: "tensorboard" in c.loggers,
+        "--logger tensorboard",
+    ),
+    ("mlflow", "paratrain[mlflow]", lambda c: "mlflow" in c.loggers, "--logger mlflow"),
+    ("wandb", "paratrain[wandb]", lambda c: "wandb" in c.loggers, "--logger wandb"),
 )
 
 

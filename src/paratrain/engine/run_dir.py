@@ -134,6 +134,11 @@ STARTED_FILES = {
     "checkpoints",
     "metrics.csv",
     "metrics.jsonl",
+    # --logger's trackers, opened before the first step
+    "tensorboard",
+    "wandb",
+    "steps.csv",
+    "trackers.json",
 }
 
 

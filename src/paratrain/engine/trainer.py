@@ -50,6 +50,7 @@ from paratrain.errors import AgreedUserError, UserError
 from paratrain.log import get_logger, since_start
 from paratrain.parallel.parallelize import build_parts
 from paratrain.parallel.parts import ModelParts
+from paratrain.report.loggers import Loggers
 from paratrain.report.metrics import MetricsWriter, format_epoch
 from paratrain.report.plots import plot_curves
 from paratrain.report.run_files import (
@@ -59,7 +60,6 @@ from paratrain.report.run_files import (
     summarise,
     write_run_files,
 )
-from paratrain.report.tensorboard import Board
 
 __all__ = ["Run", "fit", "setup", "train_epoch", "train_step", "train_worker"]
 
@@ -81,7 +81,7 @@ class Run:
     saver: Checkpointer
     control: StepControl
     metrics: MetricsWriter
-    board: Board
+    loggers: Loggers
     stepper: Stepper
     first_step: float | None = None  # seconds from the command's start to its first step
     budget: Budget | None = None  # --budget: the plan that sizes the schedule
@@ -121,7 +121,7 @@ def _train(cfg: TrainConfig, runtime: Runtime) -> dict:
         return nothing_left(cfg, run.run_dir, runtime, run.progress.epoch)
     started = time.perf_counter()
     try:
-        with run.control.guard, run.board:  # signals are acted on between steps
+        with run.control.guard, run.loggers:  # signals are acted on between steps
             epoch = run.progress.epoch
             while epoch < run.cfg.epochs:  # --budget may move the end
                 epoch_start = time.perf_counter()
@@ -136,6 +136,8 @@ def _train(cfg: TrainConfig, runtime: Runtime) -> dict:
                 if cfg.max_steps and run.progress.global_step >= cfg.max_steps:
                     break  # --max-steps: evaluated and saved above
                 epoch += 1
+            if run.loggers.active:
+                run.loggers.finish(run.run_dir / "curves.png", last_of_run(run.run_dir))
     except KeyboardInterrupt:  # checkpoints are written whole or not at all: say which
         raise Interrupted(run.run_dir, last_of_run(run.run_dir)) from None
     comm.barrier()
@@ -204,7 +206,9 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
             resume=f"from {resume_from}" if resume_from is not None else "",
         )
         announce(run_dir, facts)
-    board = Board(run_dir, cfg.tensorboard and runtime.is_main, runtime.world_size)
+    loggers = Loggers(
+        run_dir, cfg.loggers if runtime.is_main else (), cfg.to_dict(), runtime.world_size
+    )
     return Run(
         cfg,
         runtime,
@@ -219,7 +223,7 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
         saver,
         control,
         metrics,
-        board,
+        loggers,
         Stepper(parts, optimizer, recipe, control),
         budget=budget,
     )
@@ -243,7 +247,7 @@ def train_epoch(run: Run, epoch: int) -> float:
     loader = run.loaders.train
     run.loaders.sampler.set_epoch(epoch, progress.consumed)  # a new order every epoch
     bar = progress_bar(run.runtime, len(run.loaders.sampler) * parts.replicas, epoch, cfg.epochs)
-    run.board.start_epoch()
+    run.loggers.start_epoch()
     freezing = run.recipe.freezing
     if freezing is not None and freezing.set_epoch(epoch):
         get_logger().info(f"epoch {epoch + 1}: the backbone thaws; every layer trains")
@@ -299,15 +303,15 @@ def plan(run: Run, epochs: float) -> None:
 
 def train_step(run: Run, micro_batches: Iterator, count: int) -> int:
     """One optimizer step of the run (engine/step.py), then what the run keeps of it:
-    the epoch's sums, the step counters, TensorBoard's scalars. Returns this process's
+    the epoch's sums, the step counters, the trackers' scalars. Returns this process's
     images."""
     progress = run.progress
     result = one_step(run.stepper, micro_batches, count, progress)
     if result.skipped is not True:
         progress.totals += result.sums
-        if run.board.writer is not None:
+        if run.loggers.active:
             lr = base_lr(run.optimizer)
-            run.board.add(result.sums, progress.global_step + 1, lr, run.control.check_every)
+            run.loggers.add(result.sums, progress.global_step + 1, lr, run.control.check_every)
     progress.step_in_epoch += 1
     progress.global_step += 1
     progress.consumed += result.images * run.parts.replicas
@@ -370,5 +374,5 @@ def record_epoch(
     if run.runtime.is_main:
         run.metrics.write(row)
         plot_curves(run.metrics.read(), run.run_dir / "curves.png")
-        run.board.epoch(row)
+        run.loggers.epoch(row, progress.global_step)
         get_logger().info(format_epoch(row, run.cfg.epochs))
