@@ -1,4 +1,5 @@
-"""Files that readers find whole or not at all: fsync, and folders swapped into place.
+"""Files that readers find whole or not at all: fsync, and folders swapped into place;
+and the locks that say who is writing.
 
 A checkpoint, a cache, a split record: each is written under a temporary name, flushed
 to the disk, then renamed; a reader finds the old one or the new one, never a torn one.
@@ -9,6 +10,26 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from filelock import BaseFileLock
+
+
+def try_lock(path: Path | str) -> BaseFileLock | None:
+    """The lock at ``path``, taken now, or None while another process holds it: never
+    waits (the holder may be a node of this very job). filelock's FileLock: an flock,
+    which the kernel lets go when its process ends, however it ends; on a file system
+    without flock (some NFS and Lustre mounts) a lock file in its place, whose holder
+    (pid and host) is recorded in it and recovered from when that process is gone."""
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(path), timeout=0, thread_local=False)
+    try:
+        lock.acquire()
+    except Timeout:
+        return None
+    return lock
 
 
 def fsync(path: Path | str) -> None:

@@ -118,7 +118,7 @@ def _step_run(on_nonfinite: str = "abort", precision: str = "bf16-mixed"):
     from paratrain.engine.step import Stepper
     from paratrain.models.registry import create_model
     from paratrain.parallel.parts import ModelParts
-    from paratrain.report.tensorboard import Board
+    from paratrain.report.loggers import Loggers
 
     torch.manual_seed(0)
     model = create_model("resnet18", 10).to(CUDA, memory_format=torch.channels_last)
@@ -135,7 +135,7 @@ def _step_run(on_nonfinite: str = "abort", precision: str = "bf16-mixed"):
         optimizer=optimizer,
         progress=Progress(totals=torch.zeros(3, dtype=torch.float64, device=CUDA)),
         control=control,
-        board=Board(Path("unused"), False, 1),
+        loggers=Loggers(Path("unused"), (), {}, 1),
         stepper=Stepper(parts, optimizer, recipe, control),
     )
 

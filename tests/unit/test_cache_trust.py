@@ -6,6 +6,8 @@ room for it first."""
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import hashlib
 import logging
 import multiprocessing
@@ -101,20 +103,28 @@ def test_garbled_blocks_are_found_while_training_runs_and_named(samples, tmp_pat
     assert _digest(again) == good
 
 
-def _build_at_once(root: str, paths: list, start, out) -> None:
+def _build_at_once(root: str, paths: list, start, out, flock: bool) -> None:
     samples = [(p, label) for p, label in paths]
+    if not flock:  # a file system without flock (some NFS, Lustre): a lock file instead
+        mock.patch.object(fcntl, "flock", _no_flock).start()
     start.wait()
     with _said() as lines:
         cache = prepare(samples, 24, "on", 1.0, root, workers=0)
     out.put((_digest(cache), any("waiting for it" in line for line in lines)))
 
 
-def test_runs_started_together_build_once_and_read_the_same_bytes(samples, tmp_path):
+def _no_flock(*args):
+    raise OSError(errno.ENOSYS, "Function not implemented")
+
+
+@pytest.mark.parametrize("flock", [True, False], ids=["flock", "lock-file"])
+def test_runs_started_together_build_once_and_read_the_same_bytes(samples, tmp_path, flock):
     context = multiprocessing.get_context("fork")
     start, out = context.Barrier(2), context.Queue()
     root = str(tmp_path / "cache")
     procs = [
-        context.Process(target=_build_at_once, args=(root, samples, start, out)) for _ in range(2)
+        context.Process(target=_build_at_once, args=(root, samples, start, out, flock))
+        for _ in range(2)
     ]
     for proc in procs:
         proc.start()
@@ -125,6 +135,8 @@ def test_runs_started_together_build_once_and_read_the_same_bytes(samples, tmp_p
     assert results[0][0] == results[1][0]  # identical bytes
     built = list((tmp_path / "cache" / "decoded").glob("*/" + MANIFEST))
     assert len(built) == 1 and not list((tmp_path / "cache" / "decoded").glob(".*tmp*"))
+    # an flock keeps its (empty) file for the next; a lock file goes when let go
+    assert len(list((tmp_path / "cache" / "decoded").glob("*.lock"))) == (1 if flock else 0)
 
 
 def test_a_cache_folder_that_cannot_be_written(samples):

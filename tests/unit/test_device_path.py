@@ -30,7 +30,7 @@ from paratrain.engine.step import Stepper
 from paratrain.engine.trainer import train_step
 from paratrain.errors import UserError
 from paratrain.parallel.parts import ModelParts
-from paratrain.report.tensorboard import Board
+from paratrain.report.loggers import Loggers
 
 
 @pytest.fixture
@@ -111,7 +111,7 @@ def _run(on_nonfinite: str, sync_free: bool):
         optimizer=optimizer,
         progress=Progress(),
         control=control,
-        board=Board(Path("unused"), False, 1),
+        loggers=Loggers(Path("unused"), (), {}, 1),
         stepper=Stepper(parts, optimizer, recipe, control),
         model=model,
     )

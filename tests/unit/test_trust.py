@@ -36,7 +36,7 @@ from paratrain.engine.trainer import train_step
 from paratrain.errors import UserError
 from paratrain.models.registry import create_model, freeze_backbone
 from paratrain.parallel.parts import ModelParts
-from paratrain.report.tensorboard import Board
+from paratrain.report.loggers import Loggers
 
 FAST = dict(model="resnet18", image_size=16, batch_size=4, workers=0, precision="32")
 
@@ -311,7 +311,7 @@ def test_a_real_nonfinite_step_under_skip_leaves_everything_as_it_was():
         optimizer=optimizer,
         progress=Progress(),
         control=control,
-        board=Board(Path("unused"), False, 1),
+        loggers=Loggers(Path("unused"), (), {}, 1),
         stepper=Stepper(parts, optimizer, recipe, control),
     )
     labels = torch.randint(0, 3, (4,))

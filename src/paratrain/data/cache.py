@@ -26,7 +26,6 @@ the manifest removed so the next start builds it again (``agree_intact``).
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -39,6 +38,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -68,8 +68,11 @@ from paratrain.data.transforms import (
 from paratrain.distributed import comm
 from paratrain.distributed.env import DistEnv
 from paratrain.errors import AgreedUserError
-from paratrain.files import fsync, swap_in
+from paratrain.files import fsync, swap_in, try_lock
 from paratrain.log import get_logger
+
+if TYPE_CHECKING:
+    from filelock import BaseFileLock
 
 CACHE_FORMAT = 5  # 4: manifest with checksums; 5: kinds (raw, packed), parts, keyed entries
 RAW, PACKED = "raw", "packed"
@@ -77,7 +80,7 @@ MODES = ("auto", "on", RAW, PACKED, "off")  # on: raw pixels, as before there we
 MANIFEST = "manifest.json"  # written last: a cache without a valid one is not a cache
 BLOCK = 64 * 2**20  # bytes a checksum covers
 SIZING_SAMPLE = 2000  # headers read to estimate a large data set's decoded size
-_held_locks: dict[str, int] = {}  # cache key -> descriptor of its lock, while building
+_held_locks: dict[str, BaseFileLock] = {}  # cache key -> its build lock, while building
 
 
 def kind_of(mode: str) -> str | None:
@@ -605,21 +608,18 @@ def _plan_node(
     try:
         base.mkdir(parents=True, exist_ok=True)
         lock = base / f"{hashlib.sha256(samples.digest().encode()).hexdigest()[:24]}-{short}.lock"
-        handle = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        handle = try_lock(lock)
     except OSError as exc:
         where = f"cannot write to {base} ({exc.strerror or exc})"
         if refused == "error":
             return "error", "", "", f"--cache {mode}: {where}"
         return "skip", "", "", f"{where}; decoding every epoch"
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:  # never block here: the holder may be a node of this job
-        os.close(handle)
+    if handle is None:  # never block here: the holder may be a node of this job
         return "wait", "", "", f"another process is building the decoded-image cache in {base}"
     for kind in [wanted] if wanted else [RAW, PACKED]:
         final = base / cache_key(samples, short, kind, interpolation)
         if final.exists() and verify(final, len(samples), short, kind) is None:
-            os.close(handle)  # finished while we looked
+            handle.release()  # finished while we looked
             return "ready", kind, str(final), ""
     remove_stale_builds(base)  # before the free space is counted: theirs is back
     free = shutil.disk_usage(base).free
@@ -634,10 +634,10 @@ def _plan_node(
         interpolation=interpolation,
     )
     if plan.action == "skip":
-        os.close(handle)
+        handle.release()
         return "skip", "", "", plan.reason
     if free < plan.nbytes + 64 * 2**20:
-        os.close(handle)
+        handle.release()
         where = (
             f"the {plan.kind} cache needs {plan.nbytes / 2**30:.2f} GB and {base} has "
             f"{free / 2**30:.2f} GB free"
@@ -650,7 +650,7 @@ def _plan_node(
     tmp.mkdir()
     if plan.kind == RAW and (lacking := _lay_out_raw(tmp, plan, base)) is not None:
         shutil.rmtree(tmp, ignore_errors=True)
-        os.close(handle)
+        handle.release()
         return refused, "", "", f"--cache {mode}: {lacking}" if refused == "error" else lacking
     _held_locks[key] = handle
     reason = plan.reason
@@ -706,8 +706,7 @@ def _finish(tmp: Path, final: Path, kind: str, images: int, short: int, bad: lis
     swap_in(tmp, final)
     handle = _held_locks.pop(final.name, None)
     if handle is not None:
-        fcntl.flock(handle, fcntl.LOCK_UN)
-        os.close(handle)
+        handle.release()
 
 
 class _Decode(Dataset):

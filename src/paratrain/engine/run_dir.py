@@ -6,19 +6,23 @@ share one; an existing run is continued (--resume) or left alone, never overwrit
 
 from __future__ import annotations
 
-import fcntl
 import os
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from paratrain.config import TrainConfig
 from paratrain.config.run_dirs import already_holds_a_run, claim_checkpoints, claim_new_name
 from paratrain.engine import sharded
 from paratrain.errors import UserError
+from paratrain.files import try_lock
+
+if TYPE_CHECKING:
+    from filelock import BaseFileLock
 
 LAST = "last.pt"
 LOCK = ".paratrain.lock"  # held (flock) by the process whose run is in the folder
-_held: dict[Path, int] = {}  # run folders this process holds: their lock files' descriptors
+_held: dict[Path, BaseFileLock] = {}  # run folders this process holds, and their locks
 BEST = "best.pt"
 
 
@@ -102,27 +106,46 @@ def resolve_run(cfg: TrainConfig) -> tuple[Path, Path | None]:
 
 
 def hold(run_dir: Path) -> None:
-    """The run folder held by this process (rank 0) while it lives: an flock on its lock
-    file, which the kernel lets go when the process ends, however it ends (a killed run
-    never leaves its folder locked). Another process asking for it is refused in one
-    line naming the holder's host and pid."""
+    """The run folder held by this process (rank 0) while it lives: its lock file taken
+    (files.try_lock: an flock the kernel lets go when the process ends, however it ends,
+    so a killed run never leaves its folder locked; a lock file where the file system has
+    no flock). Another process asking for it is refused in one line naming the holder's
+    host and pid."""
     run_dir = run_dir.resolve()
     if run_dir in _held:
         return
     run_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-        os.close(fd)
+    lock = try_lock(run_dir / LOCK)
+    if lock is None:
         raise UserError(
-            f"{run_dir} is in use by a run still going ({holder}): wait for it to end, "
-            "or give another --name"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}\n".encode(), 0)
-    _held[run_dir] = fd
+            f"{run_dir} is in use by a run still going ({_holder(run_dir / LOCK)}): wait "
+            "for it to end, or give another --name"
+        )
+    _tell_holder(run_dir / LOCK)
+    _held[run_dir] = lock
+
+
+HOLDER = "host "  # how the holder's line starts in an flock's (otherwise empty) lock file
+
+
+def _tell_holder(path: Path) -> None:
+    """This process named in its flock's lock file. A lock file that stands in for an
+    flock already names its holder in filelock's own record: that one is left alone."""
+    try:
+        text = path.read_bytes()
+    except OSError:
+        return
+    if text and not text.startswith(HOLDER.encode()):
+        return
+    path.write_text(f"{HOLDER}{socket.gethostname()}, pid {os.getpid()}\n")
+
+
+def _holder(path: Path) -> str:
+    try:
+        text = path.read_text(errors="replace").strip()
+    except OSError:
+        text = ""
+    return text if text.startswith(HOLDER) else "another process"
 
 
 # what a run writes before its first step (metrics: the CSV's header, an empty JSONL)
@@ -149,10 +172,13 @@ def release_all() -> None:
     import shutil
 
     while _held:
-        run_dir, fd = _held.popitem()
+        run_dir, lock = _held.popitem()
         checkpoints, metrics = run_dir / "checkpoints", run_dir / "metrics.jsonl"
         empty = checkpoints.is_dir() and not any(checkpoints.iterdir())
         no_epoch = not metrics.exists() or metrics.stat().st_size == 0
         if empty and no_epoch and {p.name for p in run_dir.iterdir()} <= STARTED_FILES:
-            shutil.rmtree(run_dir, ignore_errors=True)
-        os.close(fd)
+            shutil.rmtree(run_dir, ignore_errors=True)  # still held: nobody takes it meanwhile
+        try:
+            lock.release()
+        except OSError:  # a lock file that went with its folder
+            pass
