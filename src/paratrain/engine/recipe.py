@@ -6,12 +6,13 @@ an option is on or off.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.optim.sgd import sgd
+from torch.optim import sgd as sgd_module  # private: checked by private_sgd_fits
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from paratrain.config import TrainConfig
@@ -194,6 +195,37 @@ def _late_buffers(optimizer, group: dict, params: list, buffers: list) -> None:
             optimizer.state[param]["momentum_buffer"] = buffers[i]
 
 
+# What StorageOrderSGD reaches into (private to torch.optim.sgd): SGD._init_group and
+# the functional sgd() with these keywords (tests/unit/test_private_torch.py checks both)
+SGD_KEYWORDS = (
+    "weight_decay", "momentum", "lr", "dampening", "nesterov", "maximize",
+    "has_sparse_grad", "foreach", "fused", "grad_scale", "found_inf",
+)  # fmt: skip
+
+
+@functools.cache
+def private_sgd_fits() -> bool:
+    """Whether this torch's private SGD pieces are the ones StorageOrderSGD was written
+    for; if not, it steps as torch's SGD does (slower with channels_last), said once."""
+    import inspect
+
+    init = getattr(torch.optim.SGD, "_init_group", None)
+    fits = callable(init) and len(inspect.signature(init).parameters) == 5  # self + 4
+    sgd = getattr(sgd_module, "sgd", None)
+    if fits and callable(sgd):
+        fits = set(SGD_KEYWORDS) <= set(inspect.signature(sgd).parameters)
+    else:
+        fits = False
+    if not fits:
+        from paratrain.log import get_logger
+
+        get_logger().warning(
+            f"torch {torch.__version__} changed SGD's private _init_group or sgd(): "
+            "paratrain's storage-order SGD step is off, torch's own SGD step runs instead"
+        )
+    return fits
+
+
 class StorageOrderSGD(torch.optim.SGD):
     """torch's SGD, its kernel given channels_last weights in their storage order.
 
@@ -208,6 +240,8 @@ class StorageOrderSGD(torch.optim.SGD):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """SGD's step, with channels_last (weight, gradient, buffer) triples given to the kernel as contiguous views of the same memory."""
+        if not private_sgd_fits():  # a torch whose private SGD pieces changed: its own step
+            return super().step(closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -224,7 +258,7 @@ class StorageOrderSGD(torch.optim.SGD):
                 for p, g, b in zip(params, grads, buffers, strict=True)
             ]
             buffer_views = _in_storage_order(buffers, viewed)
-            sgd(
+            sgd_module.sgd(
                 _in_storage_order(params, viewed),
                 _in_storage_order(grads, viewed),
                 buffer_views,  # the first step fills in new buffers, in the views' shape
