@@ -242,7 +242,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
     from paratrain import api
+    from paratrain.torch_api import check_torch
 
+    check_torch()  # before any command imports what an older torch lacks
     command = COMMANDS[args.command]
     options = build(command.options, _given(args, command.options)).validate()
     if args.command == "train":
@@ -264,7 +266,9 @@ def _slurm(argv: list[str]) -> int:
     """The script's own flags are slurm's; every other one goes to `paratrain train`,
     which checks them now, so a typo fails here and not after hours in the queue."""
     from paratrain import api
+    from paratrain.torch_api import check_torch
 
+    check_torch()
     parser = _Parser(prog="paratrain slurm", description=COMMANDS["slurm"].description)
     add_settings(parser, SlurmOptions)
     known, train_args = parser.parse_known_args(argv)

@@ -115,12 +115,16 @@ class Strategy:
     sharded_checkpoint: ClassVar[bool] = False  # each rank writes its shards (DCP)
     speed_order: ClassVar[int] = 100  # --strategy auto takes the lowest that fits
     takes: ClassVar[frozenset[str]] = frozenset(FEATURES)
+    torch_apis: ClassVar[tuple[str, ...]] = ()  # newer torch it calls (torch_api.FEATURES)
 
     # ---------------------------------------------------------------- settings, machine
 
     def check_settings(self, cfg: TrainConfig, world: int | None) -> None:
         """The settings this strategy takes and their rules, each refusal one line;
         ``world``: the processes of the job where known (None: decided later)."""
+        from paratrain.torch_api import need
+
+        need(self.torch_apis, f"--strategy {self.name}")
         for feature, (flag, on) in FEATURES.items():
             if feature not in self.takes and on(cfg):
                 others = ", ".join(self._takers(feature))

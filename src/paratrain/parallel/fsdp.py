@@ -181,6 +181,7 @@ class FSDP(Strategy):
     sharded_checkpoint = True
     speed_order = 1
     takes = frozenset({"sync_bn"})
+    torch_apis = ("DTensor", "fully_shard", "init_device_mesh")
 
     def layout(self, cfg: TrainConfig, world: int, rank: int = 0, per_node: int = 0) -> Layout:
         return Layout(world, rank, shard=world)

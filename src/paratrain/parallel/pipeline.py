@@ -213,6 +213,7 @@ class Pipeline(Strategy):
     sharded_checkpoint = True
     speed_order = 2
     takes = frozenset()
+    torch_apis = ("pipeline schedules",)
 
     def check_own(self, cfg: TrainConfig, world: int | None) -> None:
         if cfg.progressive:
