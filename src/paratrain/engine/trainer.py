@@ -206,9 +206,8 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
             resume=f"from {resume_from}" if resume_from is not None else "",
         )
         announce(run_dir, facts)
-    loggers = Loggers(
-        run_dir, cfg.loggers if runtime.is_main else (), cfg.to_dict(), runtime.world_size
-    )
+    tracked = cfg.loggers if runtime.is_main else ()  # rank 0 alone reports
+    loggers = Loggers(run_dir, tracked, cfg.to_dict(), runtime.world_size)
     return Run(
         cfg,
         runtime,
