@@ -15,7 +15,14 @@ from pathlib import Path
 import torch
 
 from paratrain.config import ExportOptions
-from paratrain.engine.predict import ONNX_INPUT, ONNX_META, ONNX_OUTPUT, need_onnx
+from paratrain.engine.predict import (
+    ONNX_INPUT,
+    ONNX_META,
+    ONNX_OUTPUT,
+    PT2_META,
+    load_for_inference,
+    need_onnx,
+)
 from paratrain.models.registry import check_weights_fit
 
 
@@ -33,8 +40,6 @@ def default_output(checkpoint_path: str, fmt: str, ema: bool) -> Path:
 
 def check_export(checkpoint_path: str, opts: ExportOptions) -> Path:
     """What export would write, its checkpoint checked as export reads it."""
-    from paratrain.engine.predict import load_for_inference
-
     if opts.format == "onnx":
         need_onnx("export --format onnx")
     load_for_inference(checkpoint_path, torch.device("cpu"), opts.ema)
@@ -46,8 +51,6 @@ def export(
 ) -> dict[str, str]:
     """Write the export and class_indices.json; return their paths. ``fmt``: pt2, onnx,
     safetensors or pt (checked with the command's options)."""
-    from paratrain.engine.predict import load_for_inference
-
     if fmt == "pt":
         return _save_checkpoint(checkpoint_path, out or default_output(checkpoint_path, fmt, ema))
     model, cfg, classes = load_for_inference(checkpoint_path, torch.device("cpu"), ema)
@@ -97,7 +100,7 @@ def _save_program(model, image_size: int, meta: dict, target: Path) -> None:
     batch = torch.export.Dim.AUTO
     with torch.no_grad():
         program = torch.export.export(model, example, dynamic_shapes=({0: batch},))
-    torch.export.save(program, target, extra_files={"paratrain.json": json.dumps(meta)})
+    torch.export.save(program, target, extra_files={PT2_META: json.dumps(meta)})
 
 
 def _save_onnx(model, image_size: int, meta: dict, target: Path) -> None:

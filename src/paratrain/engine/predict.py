@@ -72,6 +72,7 @@ class Inference:
 
 # the ONNX graph's input and output names, and the metadata key holding paratrain's JSON
 ONNX_INPUT, ONNX_OUTPUT, ONNX_META = "images", "logits", "paratrain"
+PT2_META = "paratrain.json"  # the .pt2 program's extra file holding the same JSON
 
 
 def need_onnx(what: str, runtime: bool = False) -> None:
@@ -113,16 +114,16 @@ def load_onnx(path: str | Path, device: str = "cpu") -> tuple[Callable, dict]:
 
 def load_program(path: str | Path) -> tuple[torch.nn.Module, dict]:
     """The exported program's callable module and its paratrain metadata."""
-    extra = {"paratrain.json": ""}
+    extra = {PT2_META: ""}
     try:
         program = torch.export.load(str(path), extra_files=extra)
     except Exception as error:  # a zip that is not a program, a program of another torch
         raise UserError(
             f"{path} is not a torch.export program this torch can load: {error}"
         ) from None
-    if not extra["paratrain.json"]:
+    if not extra[PT2_META]:
         raise UserError(f"{path} was not exported by paratrain (no paratrain.json inside)")
-    return program.module(), json.loads(extra["paratrain.json"])
+    return program.module(), json.loads(extra[PT2_META])
 
 
 def open_model(path: str, device: torch.device, ema: bool = False) -> Inference:

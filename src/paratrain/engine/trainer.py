@@ -192,20 +192,7 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
     if runtime.is_main and progress.epoch < cfg.epochs:
         write_run_files(cfg, split, run_dir)
         metrics.drop_after(progress.epoch)
-        facts = run_facts(
-            cfg,
-            processes=f"{runtime.world_size} process(es) ({runtime.env.source})",
-            world=runtime.world_size,
-            cuda=runtime.device.type == "cuda",
-            backend=runtime.backend,
-            data=data_words(cfg, split) + f", {loaders.workers} loader worker(s)",
-            precision=recipe.precision.mode,
-            cache=f"{loaders.cache.kind} ({loaders.cache.directory})"
-            if loaders.cache is not None
-            else "off (decoding every epoch)",
-            resume=f"from {resume_from}" if resume_from is not None else "",
-        )
-        announce(run_dir, facts)
+        _announce(cfg, runtime, split, loaders, recipe, run_dir, resume_from)
     tracked = cfg.loggers if runtime.is_main else ()  # rank 0 alone reports
     loggers = Loggers(run_dir, tracked, cfg.to_dict(), runtime.world_size)
     return Run(
@@ -226,6 +213,24 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
         Stepper(parts, optimizer, recipe, control),
         budget=budget,
     )
+
+
+def _announce(cfg, runtime, split, loaders, recipe, run_dir, resume_from) -> None:
+    """The start lines (rank 0): how the run is laid out, what it reads, how it steps."""
+    facts = run_facts(
+        cfg,
+        processes=f"{runtime.world_size} process(es) ({runtime.env.source})",
+        world=runtime.world_size,
+        cuda=runtime.device.type == "cuda",
+        backend=runtime.backend,
+        data=data_words(cfg, split) + f", {loaders.workers} loader worker(s)",
+        precision=recipe.precision.mode,
+        cache=f"{loaders.cache.kind} ({loaders.cache.directory})"
+        if loaders.cache is not None
+        else "off (decoding every epoch)",
+        resume=f"from {resume_from}" if resume_from is not None else "",
+    )
+    announce(run_dir, facts)
 
 
 def _sync_free(cfg: TrainConfig, runtime: Runtime, optimizer, recipe: Recipe) -> bool:

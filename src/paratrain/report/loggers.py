@@ -52,7 +52,7 @@ class Loggers:
         self.last = time.perf_counter()
         self.pending: torch.Tensor | None = None  # (loss x n, correct, n) not yet written
         self.trackers: list[Tracker] = []
-        ids = _read_ids(run_dir)
+        ids = _read_ids(run_dir) if names else {}  # ranks without trackers read nothing
         for name in names:
             self.trackers.append(_OPEN[name](run_dir, settings, ids))
         if ids:
