@@ -25,7 +25,8 @@ metric() { # metric RUN KEY: the last epoch's KEY from the run's metrics.jsonl
     "$work/runs/$1/metrics.jsonl" "$2" 2>/dev/null || echo "?"
 }
 
-"$python" -c "import paratrain" 2>/dev/null || "$python" -m pip install -q --no-deps -e . >/dev/null
+# not installed: run from the checkout (an offline machine cannot fetch the build backend)
+"$python" -c "import paratrain" 2>/dev/null || export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}"
 "$python" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exit 2
 gpu=$("$python" -c "import torch; p=torch.cuda.get_device_properties(0); print(f'{p.name}, {p.total_memory/2**30:.0f} GiB, torch {torch.__version__}')")
 row "device" "" "$gpu"
