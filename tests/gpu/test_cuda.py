@@ -83,7 +83,13 @@ def test_a_run_on_cuda_saves_and_resumes_everything(tmp_path, data, precision):
     runs = str(tmp_path / "runs")
     first = train(
         TrainConfig(
-            data=str(data), precision=precision, output_dir=runs, name="r", cache="on", **_run()
+            data=str(data),
+            precision=precision,
+            output_dir=runs,
+            name="r",
+            cache="on",
+            augment_on="device",
+            **_run(),
         )
     )
     assert first["final"]["val_count"] == 6 and math.isfinite(first["final"]["train_loss"])
@@ -175,7 +181,7 @@ def test_loader_batches_arrive_pinned_and_augment_on_the_gpu(tmp_path, data):
     from paratrain.data.folder import build_split
     from paratrain.data.loaders import make_loaders
 
-    cfg = TrainConfig(data=str(data), image_size=32, batch_size=8, workers=1)
+    cfg = TrainConfig(data=str(data), image_size=32, batch_size=8, workers=1, augment_on="device")
     split = build_split(data)
     runtime = Runtime(env=DistEnv(), device=CUDA, backend=None)
     cache = prepare(split.train + split.val, 32, "on", 1.0, str(tmp_path / "c"), 0)
@@ -198,15 +204,26 @@ def test_jpegs_decode_on_the_gpu(tmp_path, data):
         [(i, i) for i in range(6)]
     )
     assert all(batch.encoded)
-    assert (
-        batch.on(CUDA, torch.contiguous_format).cpu()
-        - batch.on(torch.device("cpu"), torch.contiguous_format)
-    ).abs().max() < 0.1
+    _decoders_agree(
+        batch.on(CUDA, torch.contiguous_format).cpu(),
+        batch.on(torch.device("cpu"), torch.contiguous_format),
+    )
+
+
+def _decoders_agree(on_gpu: torch.Tensor, on_cpu: torch.Tensor) -> None:
+    """nvJPEG and libjpeg-turbo (IDCT, chroma upsampling) differ by a level or two on
+    average; on these noise images (every pixel an edge) by up to 15 levels at a few
+    pixels, measured on an H200 (0.26 normalised)."""
+    std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+    levels = ((on_gpu - on_cpu) * std * 255).abs()
+    mean, top = levels.mean().item(), levels.max().item()
+    assert mean < 2.0 and top < 32, f"mean {mean:.2f} levels, max {top:.1f}"
 
 
 def test_a_packed_cache_batch_decodes_on_the_gpu_in_one_call(tmp_path, data, monkeypatch):
     """The packed cache hands its JPEG bytes to the device: nvJPEG decodes the batch in
-    one call (not one image at a time), to what the CPU path reads within a level."""
+    one call (not one image at a time), to what the CPU path reads within the decoders'
+    difference."""
     import torchvision.io
 
     from paratrain.data.cache import prepare
@@ -230,7 +247,7 @@ def test_a_packed_cache_batch_decodes_on_the_gpu_in_one_call(tmp_path, data, mon
     on_gpu = batch.on(CUDA, torch.contiguous_format).cpu()
     assert calls == [8]
     on_cpu = batch.on(torch.device("cpu"), torch.contiguous_format)
-    assert (on_gpu - on_cpu).abs().max() < 0.1
+    _decoders_agree(on_gpu, on_cpu)
 
 
 def test_bench_on_cuda_reports_speed_and_peak_memory():

@@ -8,8 +8,10 @@ import math
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from torch import nn
 from torchvision import transforms as T
 
@@ -17,8 +19,8 @@ from imagefolders import make_image_folder
 from paratrain import TrainConfig, train
 from paratrain.data.cache import CachedImages, prepare
 from paratrain.data.device_batches import DeviceAugmented, DeviceBatch, faster_on_device
-from paratrain.data.folder import build_split
-from paratrain.data.transforms import TrainAugment
+from paratrain.data.folder import build_split, load_rgb
+from paratrain.data.transforms import TrainAugment, to_chw
 from paratrain.distributed.env import DistEnv
 from paratrain.distributed.runtime import Runtime
 from paratrain.engine.control import CUDA_CHECK_EVERY, NonFiniteLoss, StepControl
@@ -86,6 +88,57 @@ def test_jpegs_decoded_where_the_model_is_train(tmp_path):
         )
     )
     assert summary["final"]["val_count"] == 4 and math.isfinite(summary["final"]["train_loss"])
+
+
+def test_a_jpeg_turned_by_its_exif_orientation_is_decoded_in_the_loader(tmp_path):
+    """nvJPEG ignores an EXIF orientation: such a file is handed over as upright pixels
+    (decoded here as the CPU path decodes it), every other JPEG as its bytes."""
+    data = make_image_folder(tmp_path / "data", classes=2, per_class=2, size=(40, 24))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # shown turned 90 degrees clockwise
+    pixels = np.arange(24 * 40 * 3, dtype=np.uint8).reshape(24, 40, 3)
+    Image.fromarray(pixels).save(data / "class_0" / "turned.jpg", exif=exif, quality=100)
+    split = build_split(data)
+    samples = split.train + split.val
+    turned = [i for i in range(len(samples)) if samples.keys[i].endswith("turned.jpg")]
+    assert len(turned) == 1 and len(samples) == 5
+    batch, _ = DeviceAugmented(samples, TrainAugment(16)).__getitems__(
+        [(i, i) for i in range(len(samples))]
+    )
+    assert batch.encoded == [i not in turned for i in range(len(samples))]
+    upright = to_chw(load_rgb(samples.keys[turned[0]], None, None))
+    assert upright.shape == (3, 40, 24)  # turned: the stored 24x40 stands up as 40x24
+    assert torch.equal(batch.images[turned[0]], upright)
+    height, width = batch.boxes[turned[0], 2:].tolist()
+    assert height <= 40 and width <= 24  # its crop box is drawn in the upright image
+    assert batch.on(torch.device("cpu"), torch.contiguous_format).shape == (5, 3, 16, 16)
+
+
+def test_auto_augments_cached_images_in_the_loader_and_decodes_on_a_gpu_where_faster(
+    split, monkeypatch
+):
+    """--augment-on auto: from the cache, the loader (measured faster on a GPU machine with
+    cores to spare); without it, JPEGs go to a GPU only where decoding there is faster."""
+    from paratrain.data import loaders
+
+    measured = []
+    monkeypatch.setattr(
+        loaders, "decode_faster_on_device", lambda *a: measured.append(a[1].type) or True
+    )
+    gpu = SimpleNamespace(device=torch.device("cuda", 0))
+    cpu = SimpleNamespace(device=torch.device("cpu"))
+    cache = object()
+
+    def where(augment_on, runtime, cached):
+        cfg = TrainConfig(augment_on=augment_on)
+        return loaders.augment_on_device(cfg, split, runtime, cache if cached else None, 2)
+
+    assert not where("auto", gpu, cached=True) and not where("cpu", gpu, cached=True)
+    assert where("device", gpu, cached=True) and where("device", cpu, cached=True)
+    assert not measured  # with the cache nothing is decoded, nothing measured
+    assert where("auto", gpu, cached=False) and measured == ["cuda"]
+    assert not where("auto", cpu, cached=False) and where("device", cpu, cached=False)
+    assert not where("cpu", gpu, cached=False) and measured == ["cuda"]
 
 
 def test_decoding_moves_to_the_device_only_where_it_is_faster():

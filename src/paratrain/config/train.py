@@ -243,7 +243,7 @@ class TrainConfig(Options):
         "auto",
         "where training images are cropped, resized, flipped and normalised (and, without the "
         "cache, JPEGs decoded where that is faster): on the model's device, or in the loader "
-        "on the CPU; auto: the device on CUDA",
+        "on the CPU; auto: the loader, except JPEGs decoded on a GPU where measured faster",
         group="data",
         choices=("auto", "device", "cpu"),
     )

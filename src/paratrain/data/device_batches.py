@@ -20,11 +20,12 @@ import numpy as np
 import torch
 from PIL import Image
 
-from paratrain.data.folder import ImageSamples, Sample, load_rgb, seeded, upright_size
+from paratrain.data.folder import ImageSamples, Sample, load_rgb, seeded
 from paratrain.data.samples import Samples
 from paratrain.data.transforms import TrainAugment, policy_seed, to_chw
 
 JPEG_MAGIC = b"\xff\xd8\xff"
+EXIF_ORIENTATION = 0x0112
 
 
 @dataclass
@@ -49,15 +50,15 @@ class DeviceBatch:
         """The augmented float batch on ``device``, in ``memory_format``."""
         from torchvision.io import ImageReadMode, decode_jpeg
 
-        images = [image.to(device, non_blocking=True) for image in self.images]
+        # JPEG bytes stay on the host: torchvision's decoder takes them there and writes
+        # the pixels on ``device``; the others are pixels, moved
+        images = [
+            image if encoded else image.to(device, non_blocking=True)
+            for image, encoded in zip(self.images, self.encoded, strict=True)
+        ]
         which = [i for i, encoded in enumerate(self.encoded) if encoded]
         if which:
-            decoded = decode_jpeg(
-                [images[i] for i in which],
-                mode=ImageReadMode.RGB,
-                device=device,
-                apply_exif_orientation=True,
-            )
+            decoded = decode_jpeg([images[i] for i in which], mode=ImageReadMode.RGB, device=device)
             for i, image in zip(which, decoded, strict=True):
                 images[i] = image
         size = self.augment.size
@@ -87,8 +88,10 @@ class DeviceAugmented(ImageSamples):
         raw = self.source.read(key) if self.source is not None else Path(key).read_bytes()
         if raw.startswith(JPEG_MAGIC):
             with Image.open(io.BytesIO(raw)) as header:  # the header only: no decoding
-                height, width = upright_size(header)
-            return torch.frombuffer(bytearray(raw), dtype=torch.uint8), True, (height, width)
+                upright = header.getexif().get(EXIF_ORIENTATION, 1) == 1
+                height, width = header.height, header.width
+            if upright:  # nvJPEG ignores an EXIF orientation: such files are decoded here
+                return torch.frombuffer(bytearray(raw), dtype=torch.uint8), True, (height, width)
         pixels = to_chw(load_rgb(key, None, self.source)).contiguous()
         return pixels, False, (pixels.shape[-2], pixels.shape[-1])
 

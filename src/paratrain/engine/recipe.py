@@ -181,18 +181,26 @@ def _is_channels_last(t: torch.Tensor | None) -> bool:
     )
 
 
-def _late_buffers(optimizer, group: dict, params: list, buffers: list) -> None:
-    """Momentum buffers for parameters that first get a gradient after the others (a
-    backbone thawed by --freeze-epochs): torch's fused kernel takes a step where some
-    buffers exist and some do not for a malformed call (reproduced in
-    tests/unit/test_upstream_cpu.py). A zero buffer is what SGD's first step starts
-    from at paratrain's dampening of 0: momentum x 0 + gradient."""
-    if group["momentum"] == 0 or all(b is None for b in buffers) or None not in buffers:
-        return
-    for i, param in enumerate(params):
-        if buffers[i] is None:
-            buffers[i] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            optimizer.state[param]["momentum_buffer"] = buffers[i]
+def _missing_buffers(optimizer: torch.optim.SGD) -> None:
+    """Zero momentum buffers where torch's fused kernel goes wrong without them: for
+    parameters that first get a gradient after the others (a backbone thawed by
+    --freeze-epochs), where the kernel is given a malformed call; and on a first step
+    that may be skipped (``found_inf``: a GradScaler, or --on-nonfinite skip on CUDA),
+    where the kernel leaves the buffers it made with ``empty_like`` unwritten and the
+    next step reads garbage. Both reproduced in tests/unit/test_upstream_cpu.py. A zero
+    buffer is what SGD's first step starts from at paratrain's dampening of 0: momentum
+    x 0 + gradient, the same result to the bit."""
+    skippable = getattr(optimizer, "found_inf", None) is not None
+    for group in optimizer.param_groups:
+        if group["momentum"] == 0 or not group.get("fused"):
+            continue
+        stepped = [p for p in group["params"] if p.grad is not None]
+        missing = [p for p in stepped if optimizer.state[p].get("momentum_buffer") is None]
+        if missing and (skippable or len(missing) < len(stepped)):
+            for param in missing:
+                optimizer.state[param]["momentum_buffer"] = torch.zeros_like(
+                    param, memory_format=torch.preserve_format
+                )
 
 
 # What StorageOrderSGD reaches into (private to torch.optim.sgd): SGD._init_group and
@@ -240,6 +248,7 @@ class StorageOrderSGD(torch.optim.SGD):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """SGD's step, with channels_last (weight, gradient, buffer) triples given to the kernel as contiguous views of the same memory."""
+        _missing_buffers(self)
         if not private_sgd_fits():  # a torch whose private SGD pieces changed: its own step
             return super().step(closure)
         loss = None
@@ -251,7 +260,6 @@ class StorageOrderSGD(torch.optim.SGD):
             grads: list[torch.Tensor] = []
             buffers: list[torch.Tensor | None] = []
             sparse = self._init_group(group, params, grads, buffers)
-            _late_buffers(self, group, params, buffers)
             # a triple all channels_last is seen in storage order; anything else as it is
             viewed = [
                 all(_is_channels_last(t) for t in (p, g, b) if t is not None)
