@@ -48,12 +48,16 @@ def make_folder(
     jitter: float = 0.3,
     shift: float = 0.0,
     contrast: float = 25.0,
+    span: float = np.pi,
 ) -> Path:
     """Class = colour cast + stripe direction, under texture and noise; 80/20 split.
     ``part`` of ``parts``: every parts-th image from part on (for writing in parallel);
     ``noise`` (pixel noise's deviation) and ``jitter`` (of the stripes' angle, radians)
     set how far the classes overlap; ``shift`` (a per-image colour offset's deviation)
-    hides the class's colour cast, ``contrast`` is the stripes' amplitude."""
+    hides the class's colour cast, ``contrast`` is the stripes' amplitude. The classes'
+    stripe angles are spread over ``span``: over a half-turn (pi) a mirror image turns
+    one class's stripes into another's (angle a becomes pi - a), over a quarter-turn
+    (pi / 2) into no class's, so that a horizontal flip keeps the label."""
     tints = np.random.default_rng(0).uniform(110, 150, size=(CLASSES, 3))  # close colours
     yy, xx = np.mgrid[0:300, 0:400].astype(np.float32)
     for i in range(part, count, parts):
@@ -62,7 +66,7 @@ def make_folder(
         subset = "val" if (i // CLASSES) % 5 == 0 else "train"
         folder = root / subset / f"class_{label}"
         folder.mkdir(parents=True, exist_ok=True)
-        angle = np.pi * label / CLASSES + rng.normal(0, jitter)  # neighbours overlap
+        angle = span * label / CLASSES + rng.normal(0, jitter)  # neighbours overlap
         stripes = np.sin((xx * np.cos(angle) + yy * np.sin(angle)) / rng.uniform(6, 14))
         cast = tints[label] + rng.normal(0, shift, size=3) if shift else tints[label]
         pixels = cast + contrast * stripes[..., None] + rng.normal(0, noise, size=(300, 400, 3))
