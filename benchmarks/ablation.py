@@ -81,6 +81,7 @@ def settings(size: int) -> dict[str, list[str]]:
         "no decay on norms and biases": ["--norm-weight-decay", "0", "--bias-weight-decay", "0"],
         "EMA 0.99": ["--ema-decay", "0.99"],
         "warm-up 1 epoch": ["--warmup-epochs", "1"],
+        "cosine to 0": ["--lrf", "0"],
         f"progressive {small}:{size}": ["--progressive", f"{small}:{size}"],
         "flip TTA": ["--tta", "flip"],
         f"val size {size * 5 // 4}": ["--val-size", str(size * 5 // 4)],
