@@ -80,35 +80,22 @@ def test_strategy_dp_trains_over_the_visible_gpus(tmp_path, data):
 def test_a_run_on_cuda_saves_and_resumes_everything(tmp_path, data, precision):
     """Cache on, augmentation on the GPU, channels_last; the checkpoint keeps the CUDA RNG
     states and (16-mixed) the GradScaler, and the resumed run picks them up."""
-    runs = str(tmp_path / "runs")
-    first = train(
-        TrainConfig(
-            data=str(data),
-            precision=precision,
-            output_dir=runs,
-            name="r",
-            cache="on",
-            augment_on="device",
-            **_run(),
-        )
+    settings = dict(
+        data=str(data),
+        precision=precision,
+        output_dir=str(tmp_path / "runs"),
+        name="r",
+        cache="on",
+        augment_on="device",
     )
+    first = train(TrainConfig(**settings, **_run()))
     assert first["final"]["val_count"] == 6 and math.isfinite(first["final"]["train_loss"])
     state = checkpoint.load(tmp_path / "runs/r/checkpoints/last.pt")
     cuda_rng = state.rng[0]["cuda"]
     assert len(cuda_rng) == torch.cuda.device_count() and cuda_rng[0].dtype == torch.uint8
     if precision == "16-mixed":
         assert state.scaler["scale"] > 0
-    second = train(
-        TrainConfig(
-            data=str(data),
-            precision=precision,
-            output_dir=runs,
-            name="r",
-            cache="on",
-            resume="auto",
-            **{**_run(), "epochs": 2},
-        )
-    )
+    second = train(TrainConfig(**settings, resume="auto", **{**_run(), "epochs": 2}))
     assert second["epochs"] == 2 and second["final"]["val_count"] == 6
     resumed = checkpoint.load(tmp_path / "runs/r/checkpoints/last.pt")
     if precision == "16-mixed":
