@@ -49,6 +49,14 @@ def _train_in_its_own_group(tmp_path: Path, data: Path, name: str, *extra: str):
     deadline = time.monotonic() + 120
     while not saved.exists() and time.monotonic() < deadline and process.poll() is None:
         time.sleep(0.2)
+    if not saved.exists():  # say why, rather than failing later on a missing file
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate(timeout=60)
+        pytest.fail(
+            f"no checkpoint after {time.monotonic() - deadline + 120:.0f} s, exit code "
+            f"{process.returncode}:\n{out[-2000:]}\n{err[-4000:]}"
+        )
     return process, saved
 
 
