@@ -85,7 +85,7 @@ def settings(size: int) -> dict[str, list[str]]:
         f"progressive {small}:{size}": ["--progressive", f"{small}:{size}"],
         "flip TTA": ["--tta", "flip"],
         f"val size {size * 5 // 4}": ["--val-size", str(size * 5 // 4)],
-        "40 px, val 48, batch 32, --lr-base 0.08": LOW_RES,
+        " ".join(LOW_RES): LOW_RES,
     }
 
 

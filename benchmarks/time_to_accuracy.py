@@ -21,7 +21,7 @@ Variants (``--variants``):
 * third-low-res — the same, training at 40 px, evaluating at 48, batch 32 a process,
   ``--lr-base 0.08`` (half the default rate for its global batch)
 
-    python benchmarks/time_to_accuracy.py [--images 3000] [--size 64] [--epochs 8] \
+    python benchmarks/time_to_accuracy.py [--images 3000] [--size 64] [--epochs 8] \\
         [--nproc 2] [--set mirror-safe|hard] [--seed 0] [--variants plain defaults ...]
 """
 

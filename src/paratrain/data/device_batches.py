@@ -20,12 +20,11 @@ import numpy as np
 import torch
 from PIL import Image
 
-from paratrain.data.folder import ImageSamples, Sample, load_rgb, seeded
+from paratrain.data.folder import EXIF_ORIENTATION, ImageSamples, Sample, load_rgb, seeded
 from paratrain.data.samples import Samples
 from paratrain.data.transforms import TrainAugment, policy_seed, to_chw
 
 JPEG_MAGIC = b"\xff\xd8\xff"
-EXIF_ORIENTATION = 0x0112
 
 
 @dataclass

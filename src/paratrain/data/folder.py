@@ -154,6 +154,7 @@ def _problem(exc: BaseException) -> str:
     return str(exc).split("\n")[0] or type(exc).__name__
 
 
+EXIF_ORIENTATION = 0x0112  # the EXIF tag; 1 (or none) is upright
 _ROTATED = {5, 6, 7, 8}  # EXIF orientations that swap width and height
 
 
@@ -161,7 +162,7 @@ def upright_size(image: Image.Image) -> tuple[int, int]:
     """(height, width) of an opened image once turned upright as its EXIF orientation
     says, from its header alone."""
     width, height = image.size
-    if image.getexif().get(0x0112) in _ROTATED:
+    if image.getexif().get(EXIF_ORIENTATION) in _ROTATED:
         width, height = height, width
     return height, width
 

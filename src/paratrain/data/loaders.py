@@ -71,7 +71,7 @@ def decode_workers(cfg: TrainConfig, runtime: Runtime) -> int:
 
 
 def augment_on_device(
-    cfg: TrainConfig, split: DataSplit, runtime: Runtime, cache, workers: int
+    cfg: TrainConfig, split: DataSplit, runtime: Runtime, cache: DecodedCache | None, workers: int
 ) -> bool:
     """Whether training images are augmented where the model is (--augment-on).
 
