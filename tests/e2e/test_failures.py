@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from imagefolders import make_image_folder
 
@@ -377,6 +378,36 @@ def test_a_budget_ends_on_time_and_a_resumed_run_keeps_what_is_left(data):
     rows = [json.loads(r) for r in (root / "runs/budget/metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["epoch"] > 3  # --epochs gave way to the budget
     assert rows[-1]["lr"] < rows[0]["lr"]  # the schedule ran its course
+
+
+def test_a_budgets_low_res_recipe_is_recorded_by_name_and_kept_by_a_resumed_run(data):
+    """--budget-recipe low-res at 32 px: training at 16 and evaluating at 24, batch 8 a
+    process; config.yaml names the recipe over the sizes as given (so --config reruns
+    it), the checkpoint holds the sizes trained at, and a run stopped and resumed with
+    the default (auto) goes on with the recorded recipe instead of timing anew."""
+    root, folder = data
+    sizes = ["--image-size", "32", "--batch-size", "4", "--save-every-steps", "2"]
+    common = job(folder, "lowres", "--budget", "30s", *sizes, epochs=2)
+    crashed, _ = run(
+        root, *common, "--budget-recipe", "low-res", PARATRAIN_INJECT="rank=1,step=4,kind=raise"
+    )
+    assert crashed.returncode != 0
+    told = "--budget-recipe low-res: training at 16 px, evaluating at 24, batch 8 a process"
+    assert told in crashed.stdout, crashed.stdout
+    recorded = yaml.safe_load((root / "runs/lowres/config.yaml").read_text())
+    assert (recorded["budget_recipe"], recorded["image_size"], recorded["batch_size"]) == (
+        "low-res",
+        32,
+        4,
+    )
+    saved = torch.load(root / "runs/lowres/checkpoints/last.pt", weights_only=False)
+    trained = {k: saved["config"][k] for k in ("train_crop", "val_crop", "batch_size")}
+    assert trained == {"train_crop": 16, "val_crop": 24, "batch_size": 8}
+    resumed, _ = run(root, *common, "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr
+    assert told in resumed.stdout and "epochs fit at" not in resumed.stdout  # not timed again
+    final = torch.load(root / "runs/lowres/checkpoints/last.pt", weights_only=False)
+    assert {k: final["config"][k] for k in trained} == trained
 
 
 def test_a_run_folder_in_use_is_refused_and_free_again_once_its_run_is_killed(data):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from paratrain.config import resolve_train
@@ -68,3 +70,136 @@ def test_progressive_sizes_rise_late_and_end_at_the_largest():
 def test_a_fractional_schedule_ends_at_its_length():
     schedule = Schedule(peak=0.1, epochs=2.5, kind="cosine", lrf=0.1)
     assert schedule.lr(2.5) == pytest.approx(0.01) and schedule.lr(0) == pytest.approx(0.1)
+
+
+# ------------------------------------------------------------------ --budget-recipe
+
+
+def test_the_low_res_recipe_trains_smaller_at_twice_the_batch_and_the_same_rate():
+    cfg = TrainConfig(data="d", image_size=64, batch_size=16, budget="45s")
+    low = budget_module.low_res(cfg)
+    assert (low.train_size, low.eval_crop, low.batch) == (40, 48, 32)
+    assert low.image_size == 64  # what the cache and the user's size keep
+    for replicas in (1, 2, 8):
+        assert low.rate(replicas) == pytest.approx(cfg.rate(replicas))
+    given = budget_module.low_res(TrainConfig(data="d", image_size=224, lr=0.05, budget="9m"))
+    assert (given.train_size, given.eval_crop, given.lr) == (144, 168, 0.05)
+    # named in config.yaml, made sizes once: applying it again changes nothing
+    named = TrainConfig(
+        data="d", image_size=64, batch_size=16, budget="45s", budget_recipe="low-res"
+    )
+    made = budget_module.concrete(named)
+    assert made.train_size == 40 and made.budget_recipe == "fixed"
+    assert budget_module.concrete(made) == made
+    assert budget_module.concrete(cfg) is cfg  # auto until decided: as given
+
+
+def test_the_low_res_recipe_is_refused_without_a_budget_or_with_sizes_given():
+    with pytest.raises(UserError, match="recipe for --budget"):
+        resolve_train({"data": "d", "budget_recipe": "low-res"})
+    with pytest.raises(UserError, match="leave out --train-crop, --val-size"):
+        resolve_train(
+            {"data": "d", "budget": "1m", "budget_recipe": "low-res", "train_crop": 32,
+             "val_crop": 40}
+        )  # fmt: skip
+    with pytest.raises(UserError, match="--budget-recipe"):
+        resolve_train({"data": "d", "budget": "1m", "budget_recipe": "half"})
+
+
+def test_auto_chooses_only_from_scratch_and_where_no_size_is_set():
+    base = TrainConfig(data="d", budget="1m")
+    assert budget_module.may_choose(base)
+    for given in (
+        {"weights": "w.pt"},
+        {"train_crop": 32},
+        {"val_crop": 80},
+        {"progressive": "32:64"},
+        {"budget_recipe": "fixed"},
+    ):
+        assert not budget_module.may_choose(replace(base, **given)), given
+
+
+@pytest.fixture
+def one_process():
+    from paratrain.distributed.env import DistEnv
+    from paratrain.distributed.runtime import distributed
+
+    with distributed(DistEnv(), "cpu", None, 60) as runtime:
+        yield runtime
+
+
+@pytest.mark.parametrize(("budget", "chosen"), [("1s", "low-res"), ("100h", "fixed")])
+def test_auto_times_real_steps_and_chooses_low_res_when_few_epochs_fit(
+    one_process, caplog, budget, chosen
+):
+    """The probe trains a copy of the run's model on synthetic batches: a budget
+    already spent fits no epoch (low-res); a hundred hours fit thousands (fixed)."""
+    import logging
+
+    cfg = TrainConfig(data="d", model="resnet18", image_size=32, batch_size=4, budget=budget)
+    with caplog.at_level(logging.INFO, logger="paratrain"):
+        decided = budget_module.choose_recipe(cfg, one_process, 400, 100, None)
+    assert decided.budget_recipe == chosen
+    said = [r.getMessage() for r in caplog.records if "epochs fit at 32 px" in r.getMessage()]
+    assert len(said) == 1 and said[0].endswith(
+        "--budget-recipe low-res" if chosen == "low-res" else "the sizes as given"
+    )
+
+
+def test_auto_reckons_the_epoch_from_the_step_and_the_replicas(monkeypatch, one_process):
+    """0.1 s a step, 2 replicas of batch 4: 100 training batches and 25 validation ones
+    a replica (a third of a step each), so an epoch is 10.83 s; 60 s minus what the plan
+    keeps back fit about 5 of them, fewer than 10; with an epoch of 10 training batches,
+    about 50 fit."""
+    import paratrain.engine.probe as probe
+
+    monkeypatch.setattr(probe, "step_seconds", lambda cfg, runtime: (0.1, 2))
+    monkeypatch.setattr(budget_module, "since_start", lambda: 0.0)
+    cfg = TrainConfig(data="d", model="resnet18", image_size=32, batch_size=4, budget="60s")
+    assert budget_module.epoch_seconds(0.1, cfg, 800, 200, 2) == pytest.approx(0.1 * (100 + 25 / 3))
+    assert budget_module.choose_recipe(cfg, one_process, 800, 200, None).budget_recipe == (
+        "low-res"
+    )
+    assert budget_module.choose_recipe(cfg, one_process, 80, 20, None).budget_recipe == "fixed"
+
+
+def test_auto_keeps_what_a_resumed_run_recorded_and_never_a_size_the_model_refuses(
+    tmp_path, one_process, monkeypatch
+):
+    import paratrain.engine.probe as probe
+
+    def never(*_):
+        raise AssertionError("a resumed run or a refused size times nothing")
+
+    monkeypatch.setattr(probe, "step_seconds", never)
+    cfg = TrainConfig(data="d", model="resnet18", image_size=32, batch_size=4, budget="1s")
+    replace(cfg, budget_recipe="low-res").save(tmp_path / "config.yaml")
+    assert budget_module.recorded_recipe(tmp_path) == "low-res"
+    assert budget_module.choose_recipe(cfg, one_process, 400, 100, tmp_path).budget_recipe == (
+        "low-res"
+    )
+    assert budget_module.recorded_recipe(tmp_path / "none") == "fixed"  # no config.yaml
+    # a ViT made for 32 px takes no other size: the sizes as given
+    vit = replace(cfg, model="vit_b_16")
+    assert budget_module.choose_recipe(vit, one_process, 400, 100, None).budget_recipe == ("fixed")
+
+
+@pytest.mark.parametrize(
+    ("budget", "recipe", "said"),
+    [
+        ("1s", "auto", "so the run would likely choose --budget-recipe low-res"),
+        ("100h", "auto", None),
+        ("100h", "low-res", "--budget-recipe low-res: training at 16 px, evaluating at 24"),
+    ],
+)
+def test_a_dry_run_says_the_epochs_that_fit_and_the_recipe(budget, recipe, said):
+    from paratrain.bench.speed import budget_plan
+
+    cfg = TrainConfig(
+        data="d", model="resnet18", image_size=32, batch_size=4, budget=budget,
+        budget_recipe=recipe,
+    )  # fmt: skip
+    line = budget_plan(cfg, 400, 100, 2)
+    timed = 16 if recipe == "low-res" else 32  # a low-res run's steps are timed at its size
+    assert f"epochs at {timed} px" in line, line
+    assert (said in line) if said else ("low-res" not in line), line

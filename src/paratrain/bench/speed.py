@@ -22,10 +22,8 @@ from paratrain.config import BenchOptions, TrainConfig
 from paratrain.distributed import comm
 from paratrain.distributed.env import DistEnv
 from paratrain.distributed.runtime import Runtime
-from paratrain.engine import precision as precision_module
-from paratrain.engine.recipe import build_optimizer, build_recipe
-from paratrain.engine.step import Stepper, train_step
-from paratrain.parallel.parallelize import build_parts
+from paratrain.engine.probe import Probe, prepare, sync
+from paratrain.engine.step import train_step
 
 PHASES = ("data", "forward", "backward", "optimizer")
 
@@ -51,49 +49,13 @@ class BenchResult:
     peak_memory_mb: float  # CUDA: allocated tensors; CPU: resident set of the process
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-@dataclass
-class _Setup:
-    stepper: Stepper
-    pool: list[tuple[torch.Tensor, torch.Tensor]]
-    device: torch.device
-
-
-def _prepare(cfg: TrainConfig, runtime: Runtime, classes: int = 10) -> _Setup:
-    """The run's own model, strategy, optimizer and recipe, and a pool of synthetic
-    batches already on the device."""
-    # steps under no_sync split out the communication: for DDP that is what gradient
-    # accumulation does (no static graph, see parallel/ddp.py)
-    accumulating = replace(cfg, grad_accum=2)
-    parts = build_parts(accumulating, classes, runtime)
-    pool = [
-        (
-            torch.randn(cfg.batch, 3, cfg.image_size, cfg.image_size, device=runtime.device).to(
-                memory_format=parts.memory_format
-            ),
-            torch.randint(0, classes, (cfg.batch,), device=runtime.device),
-        )
-        for _ in range(2)
-    ]
-    parts.train()
-    precision = precision_module.build(cfg, runtime)
-    recipe = build_recipe(cfg, parts, classes, precision)
-    precision.prepare(parts)
-    optimizer = build_optimizer(parts, cfg, runtime.world_size)
-    return _Setup(Stepper(parts, optimizer, recipe), pool, runtime.device)
-
-
-def _timed_step(setup: _Setup, index: int, synced: bool = True) -> tuple[dict[str, float], float]:
+def _timed_step(setup: Probe, index: int, synced: bool = True) -> tuple[dict[str, float], float]:
     """One training step (engine/step.py); seconds per phase, and the clock when
     backward started."""
     times: dict[str, float] = {}
@@ -102,7 +64,7 @@ def _timed_step(setup: _Setup, index: int, synced: bool = True) -> tuple[dict[st
 
     def lap(name: str) -> None:
         nonlocal mark
-        _sync(setup.device)
+        sync(setup.device)
         now = time.perf_counter()
         times[name] = times.get(name, 0.0) + now - mark
         mark = now
@@ -119,7 +81,7 @@ def _timed_step(setup: _Setup, index: int, synced: bool = True) -> tuple[dict[st
 def run_bench(cfg: TrainConfig, runtime: Runtime, steps: int, warmup: int) -> BenchResult | None:
     """Time ``steps`` training steps after ``warmup``; every rank takes part, rank 0 gets
     the result (the slowest rank's medians), the others None."""
-    setup = _prepare(cfg, runtime)
+    setup = prepare(cfg, runtime)
     for i in range(warmup):
         _timed_step(setup, i)
     comm.barrier()
@@ -171,13 +133,13 @@ def gradient_order(
     """When each gradient is ready, as a share of backward (median of ``steps`` steps),
     and its bytes on the wire, in the order backward produces them: what the cost model
     needs to place DDP's buckets inside backward."""
-    setup = _prepare(cfg, runtime)
+    setup = prepare(cfg, runtime)
     params = [p for p in setup.stepper.parts.parameters() if p.requires_grad]
     ready: dict[int, list[float]] = {i: [] for i in range(len(params))}
 
     def recorder(index: int):
         def hook(_param: torch.Tensor) -> None:
-            _sync(setup.device)
+            sync(setup.device)
             ready[index].append(time.perf_counter())
 
         return hook
@@ -247,20 +209,36 @@ def budget_plan(cfg: TrainConfig, train: int, val: int, world: int) -> str:
     synthetic batches in one process (the run times its own first steps and plans
     again every epoch)."""
     from paratrain.distributed.runtime import distributed
-    from paratrain.engine.budget import EVAL_COST, duration
+    from paratrain.engine.budget import (
+        EVAL_COST,
+        SHORT,
+        concrete,
+        duration,
+        may_choose,
+        recipe_words,
+    )
 
-    probe = replace(cfg, nproc=1, strategy="ddp", weights=None, freeze_epochs=0)
+    probe = replace(concrete(cfg), nproc=1, strategy="ddp", weights=None, freeze_epochs=0)
     with distributed(DistEnv(), cfg.device, None, cfg.timeout) as runtime:
         result = run_bench(probe, runtime, steps=3, warmup=1)
     assert result is not None  # the one process is rank 0
     step = result.step_ms / 1000
-    steps = -(-train // (cfg.batch * world))
-    evaluation = step * EVAL_COST * -(-val // (cfg.batch * world))
+    steps = -(-train // (probe.batch * world))
+    evaluation = step * EVAL_COST * -(-val // (probe.batch * world))
     seconds = cfg.budget_seconds or 0.0
     epochs = seconds / max(steps * step + evaluation, 1e-9)
+    recipe = ""
+    if cfg.budget_recipe == "low-res":
+        recipe = f"; --budget-recipe low-res: {recipe_words(cfg)}"
+    elif may_choose(cfg) and epochs < SHORT:
+        recipe = (
+            f"; under {SHORT:.0f}, so the run would likely choose --budget-recipe low-res "
+            f"(it times its own steps to decide): {recipe_words(cfg)}"
+        )
     return (
-        f"--budget {duration(seconds)}: at most about {epochs:.1f} epochs ({step * 1000:.0f} "
+        f"--budget {duration(seconds)}: at most about {epochs:.1f} epochs at "
+        f"{probe.train_size} px ({step * 1000:.0f} "
         f"ms a step measured here in one process on synthetic batches, {steps} steps an "
         "epoch; loading, evaluation and saving add to it): the run times its own first "
-        "steps and plans again every epoch"
+        f"steps and plans again every epoch{recipe}"
     )

@@ -343,6 +343,16 @@ class TrainConfig(Options):
         pattern_text="a duration such as 90s, 15m, 2h or 1h30m",
         metavar="DURATION",
     )
+    budget_recipe: str = setting(
+        "auto",
+        "with --budget, the resolution: low-res trains at 5/8 of the size and evaluates at "
+        "3/4, twice the batch at the same learning rate (more epochs in the time: sooner to "
+        "a good model in short runs); auto chooses it when fewer than 10 epochs at the sizes "
+        "as given fit (timed on a few synthetic steps), from scratch and with no size set "
+        "(--train-crop, --val-size, --progressive); fixed keeps the sizes as given",
+        group="optimisation",
+        choices=("auto", "low-res", "fixed"),
+    )
     batch_size: int | Literal["auto"] = setting(
         16,
         "per process; the global batch is this x world size; auto: the largest that fits the "
@@ -736,6 +746,23 @@ class TrainConfig(Options):
             )
         if self.budget and (self.budget_seconds or 0) < 1:
             raise UserError(f"--budget {self.budget}: give at least a second")
+        if self.budget_recipe == "low-res":
+            if not self.budget:
+                raise UserError("--budget-recipe low-res is a recipe for --budget; give one")
+            given = [
+                flag
+                for flag, value in (
+                    ("--train-crop", self.train_crop),
+                    ("--val-size", self.val_crop),
+                    ("--progressive", self.progressive),
+                )
+                if value
+            ]
+            if given:
+                raise UserError(
+                    f"--budget-recipe low-res sets the training and validation sizes; leave "
+                    f"out {', '.join(given)}"
+                )
         if self.progressive:
             start, end = self.progressive_sizes
             if not 8 <= start <= end <= MAX_IMAGE_SIZE:

@@ -33,7 +33,7 @@ from paratrain.distributed import comm
 from paratrain.distributed.env import DistEnv
 from paratrain.distributed.runtime import Runtime, seed_everything
 from paratrain.engine import precision as precision_module
-from paratrain.engine.budget import Budget
+from paratrain.engine.budget import Budget, choose_recipe, concrete, recipe_words
 from paratrain.engine.checkpoint import Checkpointer, resume
 from paratrain.engine.control import StepControl
 from paratrain.engine.describe import data_words, run_facts
@@ -113,6 +113,7 @@ def _train(cfg: TrainConfig, runtime: Runtime) -> dict:
     recipe, the checkpoint to resume from), then per epoch train, evaluate, step the
     schedule, save and record; then summarise. Rank 0 alone writes files and speaks."""
     run = setup(cfg, runtime)
+    cfg = run.cfg  # with --budget-recipe low-res, its sizes
     if run.budget is not None:  # resumed with its budget spent, or planned on from here
         if run.budget.left() <= 0:
             return nothing_left(cfg, run.run_dir, runtime, run.progress.epoch)
@@ -157,6 +158,7 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
         raise AgreedUserError(str(exc)) from None
     run_dir, resume_from = comm.agree(lambda: resolve_run(cfg))
     split = keep_sides(split, run_dir, resume_from is not None, runtime)
+    intent, cfg = _budget_recipe(cfg, runtime, split, run_dir if resume_from else None)
     cache, split = prepare_data(cfg, split, runtime, run_dir)
     classes = len(split.classes)
     parts = build_parts(cfg, classes, runtime)
@@ -190,7 +192,7 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
     )
     metrics = MetricsWriter(run_dir)
     if runtime.is_main and progress.epoch < cfg.epochs:
-        write_run_files(cfg, split, run_dir)
+        write_run_files(intent, split, run_dir)  # the recipe by name: --config keeps it
         metrics.drop_after(progress.epoch)
         _announce(cfg, runtime, split, loaders, recipe, run_dir, resume_from)
     tracked = cfg.loggers if runtime.is_main else ()  # rank 0 alone reports
@@ -213,6 +215,25 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
         Stepper(parts, optimizer, recipe, control),
         budget=budget,
     )
+
+
+def _budget_recipe(
+    cfg: TrainConfig, runtime: Runtime, split: DataSplit, resumed: Path | None
+) -> tuple[TrainConfig, TrainConfig]:
+    """(the recipe by name, as config.yaml records it; the settings it trains with):
+    --budget-recipe auto decided (engine/budget.py), low-res made sizes and said."""
+    intent = choose_recipe(cfg, runtime, len(split.train), len(split.val), resumed)
+    cfg = concrete(intent)
+    if cfg is not intent:
+        try:
+            check_model_input(cfg, runtime.world_size)
+        except UserError as exc:
+            raise AgreedUserError(f"--budget-recipe low-res: {exc}") from None
+        get_logger().info(
+            f"--budget-recipe low-res: {recipe_words(intent)} (--budget-recipe fixed keeps "
+            "the sizes as given)"
+        )
+    return intent, cfg
 
 
 def _announce(cfg, runtime, split, loaders, recipe, run_dir, resume_from) -> None:
