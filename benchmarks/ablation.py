@@ -73,6 +73,13 @@ def make_shapes(root: Path, count: int) -> Path:
     return root
 
 
+def make_set(name: str, root: Path, count: int) -> Path:
+    """One of the two generated sets by name: ``stripes`` (mirror-safe) or ``shapes``."""
+    if name == "stripes":
+        return make_stripes(root, count, **MIRROR_SAFE)
+    return make_shapes(root, count)
+
+
 def settings(size: int) -> dict[str, list[str]]:
     small = max(8, (size // 2) // 8 * 8)
     return {
@@ -116,10 +123,7 @@ def main() -> None:
     )
     with tempfile.TemporaryDirectory() as tmp:
         cwd = Path(tmp)
-        sets = {
-            "stripes": make_stripes(cwd / "stripes", args.images, **MIRROR_SAFE),
-            "shapes": make_shapes(cwd / "shapes", args.images),
-        }
+        sets = {name: make_set(name, cwd / name, args.images) for name in ("stripes", "shapes")}
         table: dict[str, dict[str, list[dict]]] = {}
         for label, extra in settings(args.size).items():
             for set_name, data in sets.items():

@@ -3,14 +3,14 @@
 On the two generated sets of benchmarks/ablation.py (stripes: time_to_accuracy's
 mirror-safe set; shapes), each budget is run with ``--budget-recipe fixed`` and with
 ``--budget-recipe low-res`` (5/8 of the size in training, 3/4 in evaluation, twice the
-batch at the same rate); and, with ``--auto``, as the default chooses. Printed per run:
+batch at the same rate); and, with ``--recipes ... auto``, as the default chooses. Printed per run:
 the epochs it trained, its best and its final validation top-1; and, for ``auto``, what
 it chose and how many epochs it reckoned would fit at the sizes as given. The budget at
 which the two recipes cross is what ``--budget-recipe auto``'s threshold (SHORT in
 engine/budget.py) rests on.
 
     python benchmarks/budget_recipe.py [--budgets 45 90 180] [--seeds 0 1] [--size 64] \\
-        [--images 3000] [--nproc 2] [--sets stripes shapes] [--auto]
+        [--images 3000] [--nproc 2] [--sets stripes shapes] [--recipes fixed low-res auto]
 """
 
 from __future__ import annotations
@@ -26,9 +26,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from ablation import make_shapes  # noqa: E402
-from time_to_accuracy import MIRROR_SAFE  # noqa: E402
-from vs_plain_loop import make_folder as make_stripes  # noqa: E402
+from ablation import make_set  # noqa: E402
 from vs_plain_loop import run  # noqa: E402
 
 CHOSE = re.compile(
@@ -64,10 +62,14 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--images", type=int, default=3000)
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--sets", nargs="+", default=["stripes", "shapes"])
-    parser.add_argument("--auto", action="store_true", help="also run the default, auto")
+    parser.add_argument(
+        "--sets", nargs="+", choices=["stripes", "shapes"], default=["stripes", "shapes"]
+    )
+    parser.add_argument(
+        "--recipes", nargs="+", choices=["fixed", "low-res", "auto"], default=["fixed", "low-res"]
+    )
     args = parser.parse_args()
-    recipes = ["fixed", "low-res"] + (["auto"] if args.auto else [])
+    recipes = args.recipes
     cpu = "AMX" if "amx_bf16" in Path("/proc/cpuinfo").read_text() else "no AMX"
     print(
         f"{args.images} JPEGs 400x300 a set, resnet18 at {args.size} px, batch 16 x "
@@ -75,12 +77,8 @@ def main() -> None:
     )
     with tempfile.TemporaryDirectory() as tmp:
         cwd = Path(tmp)
-        makers = {
-            "stripes": lambda root: make_stripes(root, args.images, **MIRROR_SAFE),
-            "shapes": lambda root: make_shapes(root, args.images),
-        }
         for name in args.sets:
-            data = makers[name](cwd / name)
+            data = make_set(name, cwd / name, args.images)
             for budget in args.budgets:
                 for seed in args.seeds:
                     cells = []
@@ -92,7 +90,7 @@ def main() -> None:
                             f"{recipe} {r['epochs']} ep {r['best']:.1%} / {r['final']:.1%}{chose}"
                         )
                     print(f"  {name} {budget}s seed {seed}: " + ", ".join(cells), flush=True)
-                    if r["said"]:  # the last recipe's, auto's: how it chose
+                    if r["said"]:  # auto's (the last recipe): how it chose
                         print(f"    {r['said']}", flush=True)
 
 

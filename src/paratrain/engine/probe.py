@@ -61,7 +61,7 @@ def prepare(cfg: TrainConfig, runtime: Runtime, classes: int = 10) -> Probe:
 
 
 def step_seconds(
-    cfg: TrainConfig, runtime: Runtime, steps: int = 2, warmup: int = 1
+    cfg: TrainConfig, runtime: Runtime, steps: int = 3, warmup: int = 3
 ) -> tuple[float, int]:
     """The median of ``steps`` synced training steps after ``warmup``, the slowest
     rank's, on every rank (every rank takes part: the steps all-reduce); and the
