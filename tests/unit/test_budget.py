@@ -128,20 +128,30 @@ def one_process():
         yield runtime
 
 
+class _Said:
+    """A logger that keeps what it is told (the run's logger may be set up by an earlier
+    test in the same process, not to propagate)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def info(self, line: str) -> None:
+        self.lines.append(line)
+
+
 @pytest.mark.parametrize(("budget", "chosen"), [("1s", "low-res"), ("100h", "fixed")])
 def test_auto_times_real_steps_and_chooses_low_res_when_few_epochs_fit(
-    one_process, caplog, budget, chosen
+    one_process, monkeypatch, budget, chosen
 ):
     """The probe trains a copy of the run's model on synthetic batches: a budget
     already spent fits no epoch (low-res); a hundred hours fit thousands (fixed)."""
-    import logging
-
+    said = _Said()
+    monkeypatch.setattr(budget_module, "get_logger", lambda: said)
     cfg = TrainConfig(data="d", model="resnet18", image_size=32, batch_size=4, budget=budget)
-    with caplog.at_level(logging.INFO, logger="paratrain"):
-        decided = budget_module.choose_recipe(cfg, one_process, 400, 100, None)
+    decided = budget_module.choose_recipe(cfg, one_process, 400, 100, None)
     assert decided.budget_recipe == chosen
-    said = [r.getMessage() for r in caplog.records if "epochs fit at 32 px" in r.getMessage()]
-    assert len(said) == 1 and said[0].endswith(
+    assert len(said.lines) == 1 and "epochs fit at 32 px" in said.lines[0], said.lines
+    assert said.lines[0].endswith(
         "--budget-recipe low-res" if chosen == "low-res" else "the sizes as given"
     )
 
