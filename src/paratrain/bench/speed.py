@@ -210,10 +210,10 @@ def budget_plan(cfg: TrainConfig, train: int, val: int, world: int) -> str:
     again every epoch)."""
     from paratrain.distributed.runtime import distributed
     from paratrain.engine.budget import (
-        EVAL_COST,
         SHORT,
         concrete,
         duration,
+        epoch_seconds,
         may_choose,
         recipe_words,
     )
@@ -224,9 +224,8 @@ def budget_plan(cfg: TrainConfig, train: int, val: int, world: int) -> str:
     assert result is not None  # the one process is rank 0
     step = result.step_ms / 1000
     steps = -(-train // (probe.batch * world))
-    evaluation = step * EVAL_COST * -(-val // (probe.batch * world))
     seconds = cfg.budget_seconds or 0.0
-    epochs = seconds / max(steps * step + evaluation, 1e-9)
+    epochs = seconds / max(epoch_seconds(step, probe, train, val, world), 1e-9)
     recipe = ""
     if cfg.budget_recipe == "low-res":
         recipe = f"; --budget-recipe low-res: {recipe_words(cfg)}"

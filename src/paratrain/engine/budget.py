@@ -82,7 +82,7 @@ class Budget:
         if self.planned is not None or len(self.step_times) < MEASURED_STEPS - 1:
             return None
         step = statistics.median(self.step_times)
-        epoch = step * self.steps_per_epoch + step * EVAL_COST * self.val_batches
+        epoch = epoch_cost(step, self.steps_per_epoch, self.val_batches)
         return self._plan(done, epoch, f"{step:.3f} s a step, {self.steps_per_epoch} an epoch")
 
     def after_epoch(self, done: float, epoch_seconds: float) -> float:
@@ -162,11 +162,17 @@ def recorded_recipe(run_dir: Path) -> str:
     return "low-res" if values.get("budget_recipe") == "low-res" else "fixed"
 
 
+def epoch_cost(step: float, train_batches: int, val_batches: int) -> float:
+    """An epoch's seconds at ``step`` seconds a training batch: its training batches, and
+    its validation batches at a share of a step each."""
+    return step * (train_batches + EVAL_COST * val_batches)
+
+
 def epoch_seconds(step: float, cfg: TrainConfig, train: int, val: int, replicas: int) -> float:
-    """An epoch's seconds at ``step`` seconds a batch: its training batches, and its
-    validation batches at a share of a step each (a replica's, all replicas at once)."""
+    """An epoch's seconds for ``train`` and ``val`` images over ``replicas`` (each replica
+    takes its batches at once)."""
     per_step = cfg.batch * replicas
-    return step * (-(-train // per_step) + EVAL_COST * -(-val // per_step))
+    return epoch_cost(step, -(-train // per_step), -(-val // per_step))
 
 
 def _takes(cfg: TrainConfig, world: int) -> bool:
