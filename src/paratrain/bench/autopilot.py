@@ -37,6 +37,7 @@ from paratrain.config.run_dirs import claim_new_name
 from paratrain.data.builtin import default_cache_dir
 from paratrain.distributed.env import DistEnv
 from paratrain.distributed.runtime import runs_on_cuda, usable_cores
+from paratrain.engine.probe import sync
 from paratrain.engine.step import Stepper, train_step
 from paratrain.errors import UserError
 
@@ -288,7 +289,7 @@ def _cuda_step(cfg: TrainConfig, batch: int) -> None:
     labels = torch.randint(0, 10, (batch,), device=device)
     try:
         train_step(stepper, [(images, labels)], 1)
-        torch.cuda.synchronize(device)
+        sync(device)
     finally:
         del stepper
 
@@ -297,19 +298,15 @@ def _one_process_stepper(cfg: TrainConfig, device: torch.device, classes: int) -
     """The run's model, optimizer and recipe in this one process on ``device``."""
     from paratrain.distributed.env import DistEnv
     from paratrain.distributed.runtime import Runtime
-    from paratrain.engine import precision as precision_module
-    from paratrain.engine.recipe import build_optimizer, build_recipe
+    from paratrain.engine.probe import stepper_for
     from paratrain.models.registry import build_model
     from paratrain.parallel.parts import ModelParts, memory_format_for
 
-    runtime = Runtime(env=DistEnv(), device=device, backend=None)
+    runtime = Runtime(env=DistEnv(), device=device, backend=None)  # world size 1
     model = build_model(cfg, classes)
     fmt = memory_format_for(model, cfg.memory_format, device)
     parts = ModelParts([model.to(device).to(memory_format=fmt)], memory_format=fmt)
-    precision = precision_module.build(cfg, runtime)
-    recipe = build_recipe(cfg, parts, classes, precision)
-    precision.prepare(parts)
-    return Stepper(parts, build_optimizer(parts, cfg, 1), recipe)
+    return stepper_for(cfg, parts, runtime, classes)
 
 
 # ------------------------------------------------------------------ learning rate

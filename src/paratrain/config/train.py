@@ -749,16 +749,7 @@ class TrainConfig(Options):
         if self.budget_recipe == "low-res":
             if not self.budget:
                 raise UserError("--budget-recipe low-res is a recipe for --budget; give one")
-            given = [
-                flag
-                for flag, value in (
-                    ("--train-crop", self.train_crop),
-                    ("--val-size", self.val_crop),
-                    ("--progressive", self.progressive),
-                )
-                if value
-            ]
-            if given:
+            if given := self.sizes_given():
                 raise UserError(
                     f"--budget-recipe low-res sets the training and validation sizes; leave "
                     f"out {', '.join(given)}"
@@ -784,6 +775,18 @@ class TrainConfig(Options):
                 f"--val-resize {self.val_resize} is smaller than the validation crop "
                 f"{self.eval_crop}"
             )
+
+    def sizes_given(self) -> list[str]:
+        """The flags that set the training or validation size apart from --image-size."""
+        return [
+            flag
+            for flag, value in (
+                ("--train-crop", self.train_crop),
+                ("--val-size", self.val_crop),
+                ("--progressive", self.progressive),
+            )
+            if value
+        ]
 
     def has_auto(self) -> bool:
         """Whether a setting is still auto (bench/autopilot decides it before the run)."""

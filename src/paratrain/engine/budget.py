@@ -146,11 +146,7 @@ def concrete(cfg: TrainConfig) -> TrainConfig:
 def may_choose(cfg: TrainConfig) -> bool:
     """Whether auto may choose low-res: from scratch (the measurements were) and with no
     size set by the user."""
-    return (
-        cfg.budget_recipe == "auto"
-        and not (cfg.train_crop or cfg.val_crop or cfg.progressive)
-        and cfg.weights is None
-    )
+    return cfg.budget_recipe == "auto" and not cfg.sizes_given() and cfg.weights is None
 
 
 def recorded_recipe(run_dir: Path) -> str:

@@ -20,6 +20,7 @@ from paratrain.engine import precision as precision_module
 from paratrain.engine.recipe import build_optimizer, build_recipe
 from paratrain.engine.step import Stepper, train_step
 from paratrain.parallel.parallelize import build_parts
+from paratrain.parallel.parts import ModelParts
 
 
 @dataclass
@@ -53,11 +54,16 @@ def prepare(cfg: TrainConfig, runtime: Runtime, classes: int = 10) -> Probe:
         for _ in range(2)
     ]
     parts.train()
+    return Probe(stepper_for(cfg, parts, runtime, classes), pool, runtime.device)
+
+
+def stepper_for(cfg: TrainConfig, parts: ModelParts, runtime: Runtime, classes: int) -> Stepper:
+    """The run's precision, recipe and optimizer on ``parts`` as one Stepper, in the
+    training loop's order (an EMA copies the model before precision prepares it)."""
     precision = precision_module.build(cfg, runtime)
     recipe = build_recipe(cfg, parts, classes, precision)
     precision.prepare(parts)
-    optimizer = build_optimizer(parts, cfg, runtime.world_size)
-    return Probe(Stepper(parts, optimizer, recipe), pool, runtime.device)
+    return Stepper(parts, build_optimizer(parts, cfg, runtime.world_size), recipe)
 
 
 def step_seconds(
