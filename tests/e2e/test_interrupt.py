@@ -50,14 +50,24 @@ def _train_in_its_own_group(tmp_path: Path, data: Path, name: str, *extra: str):
     while not saved.exists() and time.monotonic() < deadline and process.poll() is None:
         time.sleep(0.2)
     if not saved.exists():  # say why, rather than failing later on a missing file
+        waited = time.monotonic() - deadline + 120
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
-        out, err = process.communicate(timeout=60)
+        # workers in sessions of their own may still hold the pipes: end them too
+        subprocess.run(["pkill", "-9", "-f", str(data)], check=False)
+        try:
+            out, err = process.communicate(timeout=60)
+        except subprocess.TimeoutExpired as exc:
+            out, err = _text(exc.output), _text(exc.stderr)
         pytest.fail(
-            f"no checkpoint after {time.monotonic() - deadline + 120:.0f} s, exit code "
-            f"{process.returncode}:\n{out[-2000:]}\n{err[-4000:]}"
+            f"no checkpoint after {waited:.0f} s, exit code {process.returncode}:\n"
+            f"{out[-2000:]}\n{err[-4000:]}"
         )
     return process, saved
+
+
+def _text(part: str | bytes | None) -> str:
+    return part.decode(errors="replace") if isinstance(part, bytes) else part or ""
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
