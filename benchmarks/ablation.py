@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -33,6 +32,7 @@ from PIL import Image, ImageDraw
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from _machine import machine  # noqa: E402
 from time_to_accuracy import LOW_RES, MIRROR_SAFE  # noqa: E402
 from vs_plain_loop import make_folder as make_stripes  # noqa: E402
 from vs_plain_loop import run  # noqa: E402
@@ -116,10 +116,9 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     args = parser.parse_args()
-    cpu = "AMX" if "amx_bf16" in Path("/proc/cpuinfo").read_text() else "no AMX"
     print(
         f"{args.images} JPEGs 400x300 per set, resnet18 at {args.size} px, {args.epochs} "
-        f"epochs, {args.nproc} process(es), seeds {args.seeds}, {os.cpu_count()} cores ({cpu})"
+        f"epochs, {args.nproc} process(es), seeds {args.seeds}, {machine()}"
     )
     with tempfile.TemporaryDirectory() as tmp:
         cwd = Path(tmp)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from _machine import machine  # noqa: E402
 from ablation import make_set  # noqa: E402
 from vs_plain_loop import run  # noqa: E402
 
@@ -70,10 +70,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     recipes = args.recipes
-    cpu = "AMX" if "amx_bf16" in Path("/proc/cpuinfo").read_text() else "no AMX"
     print(
         f"{args.images} JPEGs 400x300 a set, resnet18 at {args.size} px, batch 16 x "
-        f"{args.nproc} process(es), {os.cpu_count()} cores ({cpu}); top-1 best / final"
+        f"{args.nproc} process(es), {machine()}; top-1 best / final"
     )
     with tempfile.TemporaryDirectory() as tmp:
         cwd = Path(tmp)

@@ -39,6 +39,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _machine import machine  # noqa: E402
 from loader_cache import images_per_second, make_jpegs  # noqa: E402
 
 from paratrain.data.cache import CachedImages, prepare  # noqa: E402
@@ -165,8 +166,7 @@ def main() -> None:
     skip = set(args.skip.split(","))
     root = Path(args.root)
     scales = [int(s) for s in args.scales.split(",")]
-    cpu = "AMX" if "amx_bf16" in Path("/proc/cpuinfo").read_text() else "no AMX"
-    print(f"{os.cpu_count()} cores ({cpu}); N = {args.n}; root {root}", flush=True)
+    print(f"{machine()}; N = {args.n}; root {root}", flush=True)
     base = root / "base"
     if not (base / ".complete").exists():
         shutil.rmtree(base, ignore_errors=True)

@@ -22,6 +22,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from _machine import machine  # noqa: E402
 from vs_plain_loop import make_folder  # noqa: E402
 
 
@@ -60,8 +61,7 @@ def main() -> None:
                 target = many / f"{copy}-{i}.jpg"
                 target.parent.mkdir(exist_ok=True)
                 shutil.copyfile(path, target)
-        cpu = "AMX" if "amx_bf16" in Path("/proc/cpuinfo").read_text() else "no AMX"
-        print(f"{args.model} at {args.size} px, {os.cpu_count()} cores ({cpu}), batch 64")
+        print(f"{args.model} at {args.size} px, {machine()}, batch 64")
         answers = {}
         for name, source in sources.items():
             cells = []

@@ -24,6 +24,7 @@ import torch
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _machine import machine  # noqa: E402
 from loader_cache import photo  # noqa: E402
 
 from paratrain.data import jpeg  # noqa: E402
@@ -75,8 +76,7 @@ def main() -> None:
     decoders = {"PIL": pil_whole, "torchvision": tv}
     if jpeg.simplejpeg is not None:
         decoders["simplejpeg"] = lambda raw: jpeg.simplejpeg.decode_jpeg(raw, colorspace="RGB")
-    cpu = "AMX" if "amx_bf16" in Path("/proc/cpuinfo").read_text() else "no AMX"
-    print(f"CPU: {_cpu_name()} ({cpu}); one thread; {args.images} photo-like JPEGs each")
+    print(f"{machine()}; one thread; {args.images} photo-like JPEGs each")
     print(f"{'images':<34}{'decoder':<24}{'ms/image':>9}  same pixels as PIL")
     for name, size in (
         ("originals 400x300 q90", (300, 400)),
@@ -109,13 +109,6 @@ def main() -> None:
         torch.cuda.synchronize()
         ms = (time.perf_counter() - start) / (args.rounds * len(batch)) * 1e3
         print(f"{'originals 400x300 q90':<34}{'nvJPEG, batch of 64':<24}{ms:>9.3f}")
-
-
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 if __name__ == "__main__":

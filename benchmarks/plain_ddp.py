@@ -47,6 +47,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="initial weights and shuffling")
     parser.add_argument(
         "--eval-every-epoch",
         action="store_true",
@@ -81,7 +82,7 @@ def main() -> None:
             ]
         ),
     )
-    sampler = DistributedSampler(train_set, seed=0) if distributed else None
+    sampler = DistributedSampler(train_set, seed=args.seed) if distributed else None
     train_loader = DataLoader(
         train_set,
         args.batch_size,
@@ -92,7 +93,7 @@ def main() -> None:
     val_sampler = DistributedSampler(val_set, shuffle=False) if distributed else None
     val_loader = DataLoader(val_set, args.batch_size, sampler=val_sampler, num_workers=args.workers)
 
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     model = torchvision.models.get_model(args.model, num_classes=len(train_set.classes))
     if distributed:
         model = nn.parallel.DistributedDataParallel(model)

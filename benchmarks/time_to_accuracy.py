@@ -25,14 +25,13 @@ Variants (``--variants``):
   default rate for its global batch), what ``--budget-recipe low-res`` makes of 64 px
 
     python benchmarks/time_to_accuracy.py [--images 3000] [--size 64] [--epochs 8] \\
-        [--nproc 2] [--set mirror-safe|hard] [--seed 0] [--variants plain defaults ...]
+        [--nproc 2] [--set mirror-safe|hard] [--seeds 0 1 ...] [--variants plain ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -42,6 +41,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import numpy as np  # noqa: E402
+from _machine import machine  # noqa: E402
 from vs_plain_loop import make_folder, plain_command, run  # noqa: E402
 
 # vs_plain_loop's set made hard enough that accuracy climbs over the epochs: a colour
@@ -68,7 +68,9 @@ def launch(command: list[str], cwd: Path, threads: int, **env: str) -> tuple[flo
 
 def plain(data: Path, args, cwd: Path) -> list[tuple[float, float]]:
     """(seconds from launch, val top-1) after every epoch of the plain loop."""
-    command = plain_command(data, args.size, args.nproc, args.epochs, "--eval-every-epoch")
+    command = plain_command(
+        data, args.size, args.nproc, args.epochs, "--eval-every-epoch", "--seed", str(args.seed)
+    )
     start, out = launch(command, cwd, max(1, 2 // args.nproc))
     rows = [json.loads(line) for line in out.splitlines() if line.startswith('{"epoch"')]
     return [(row["time"] - start, row["val_top1"]) for row in rows]
@@ -96,6 +98,79 @@ def first_reach(curve: list[tuple[float, float]], level: float) -> float | None:
     return next((t for t, top1 in curve if top1 >= level - 1e-6), None)
 
 
+def run_seed(args, data: Path, cwd: Path, seed: int) -> dict[str, list[tuple[float, float]]]:
+    """Every variant's curve with both loops seeded by ``seed``, printed as it ends."""
+    args.seed = seed
+    curves: dict[str, list[tuple[float, float]]] = {}
+    small = max(8, (args.size // 2) // 8 * 8)
+    extras = {
+        "defaults": [],
+        "defaults-lrf0": ["--lrf", "0"],  # cosine to 0, as the plain loop
+        "fast": ["--progressive", f"{small}:{args.size}", "--val-size", str(args.size * 5 // 4)],
+    }
+    for variant in args.variants:
+        if variant == "plain":
+            curves[variant] = plain(data, args, cwd)
+            continue
+        if variant.startswith("third"):  # --budget: a third of plain's time to its best
+            base = curves.get("plain")
+            if not base:
+                sys.exit(f"{variant} needs the plain variant run before it")
+            third = first_reach(base, max(a for _, a in base)) / 3
+            extras[variant] = ["--budget", f"{third:.0f}s"] + {
+                "third": [],
+                "third-fixed": ["--budget-recipe", "fixed"],
+                "third-low-res": LOW_RES,
+            }[variant]
+        curves[variant] = paratrain(data, args, cwd, f"{variant}-{seed}", extras[variant])
+    print(f"\nseed {seed}:")
+    for variant in args.variants:
+        print(f"  {variant}: {' '.join(extras.get(variant, [])) or '(as above)'}")
+    for name, curve in curves.items():
+        print(f"  {name:9s} " + "  ".join(f"{t:6.1f}s {a:.1%}" for t, a in curve))
+    base = curves.get("plain")
+    ladder = [0.6, 0.7, 0.8] + ([max(a for _, a in base)] if base else [])
+    print("seconds from launch to first reaching each accuracy (plain / run):")
+    for level in ladder:
+        cells = []
+        for name, curve in curves.items():
+            t = first_reach(curve, level)
+            ratio = ""
+            if base and name != "plain" and t is not None:
+                b = first_reach(base, level)
+                ratio = f" ({b / t:.2f}x)" if b is not None else ""
+            cells.append(f"{name} {'-' if t is None else f'{t:.1f}s'}{ratio}")
+        print(f"  {level:.1%}: " + ", ".join(cells))
+    for name, curve in curves.items():
+        print(f"  best {name}: {max(a for _, a in curve):.1%}, final {curve[-1][1]:.1%}")
+    return curves
+
+
+def summary(runs: dict[int, dict[str, list[tuple[float, float]]]]) -> None:
+    """Over the seeds: each variant's time to the plain loop's best of the same seed (and
+    the plain loop's time over it), its best and final top-1, and their means."""
+    print("\nover the seeds: time to the plain loop's best (speed-up), best / final top-1")
+    names = list(next(iter(runs.values())))
+    for name in names:
+        cells, bests, finals = [], [], []
+        for seed, curves in runs.items():
+            curve, base = curves[name], curves.get("plain")
+            reach = ""
+            if base:
+                level = max(a for _, a in base)
+                t, b = first_reach(curve, level), first_reach(base, level)
+                reach = "-, " if t is None else f"{t:.1f}s ({b / t:.2f}x), "
+            best, final = max(a for _, a in curve), curve[-1][1]
+            bests.append(best)
+            finals.append(final)
+            cells.append(f"seed {seed} {reach}{best:.1%} / {final:.1%}")
+        print(
+            f"  {name}: "
+            + "; ".join(cells)
+            + f"; mean {np.mean(bests):.1%} / {np.mean(finals):.1%}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=3000)
@@ -106,64 +181,20 @@ def main() -> None:
         "--variants", nargs="+", default=["plain", "defaults", "third", "third-fixed"]
     )
     parser.add_argument("--set", choices=sorted(SETS), default="mirror-safe")
-    parser.add_argument("--seed", type=int, default=0, help="paratrain's --seed")
+    parser.add_argument(
+        "--seeds", nargs="+", type=int, default=[0], help="both loops' seed, a run of each"
+    )
     args = parser.parse_args()
+    print(
+        f"{args.images} JPEGs 400x300 ({args.set}), resnet18 at {args.size} px, batch 16 x "
+        f"{args.nproc} process(es), {args.epochs} epochs, {machine()}"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         cwd = Path(tmp)
         data = make_folder(cwd / "data", args.images, **SETS[args.set])
-        curves: dict[str, list[tuple[float, float]]] = {}
-        small = max(8, (args.size // 2) // 8 * 8)
-        extras = {
-            "defaults": [],
-            "defaults-lrf0": ["--lrf", "0"],  # cosine to 0, as the plain loop
-            "fast": [
-                "--progressive",
-                f"{small}:{args.size}",
-                "--val-size",
-                str(args.size * 5 // 4),
-            ],
-        }
-        for variant in args.variants:
-            if variant == "plain":
-                curves[variant] = plain(data, args, cwd)
-                continue
-            if variant.startswith("third"):  # --budget: a third of plain's time to its best
-                base = curves.get("plain")
-                if not base:
-                    sys.exit(f"{variant} needs the plain variant run before it")
-                third = first_reach(base, max(a for _, a in base)) / 3
-                extras[variant] = ["--budget", f"{third:.0f}s"] + {
-                    "third": [],
-                    "third-fixed": ["--budget-recipe", "fixed"],
-                    "third-low-res": LOW_RES,
-                }[variant]
-            curves[variant] = paratrain(data, args, cwd, variant, extras[variant])
-        cpu = "AMX" if "amx_bf16" in Path("/proc/cpuinfo").read_text() else "no AMX"
-        print(
-            f"{args.images} JPEGs 400x300 ({args.set}), resnet18 at {args.size} px, batch 16 x "
-            f"{args.nproc} process(es), {args.epochs} epochs, {os.cpu_count()} cores ({cpu})"
-        )
-        for variant in args.variants:
-            print(f"  {variant}: {' '.join(extras.get(variant, [])) or '(as above)'}")
-        for name, curve in curves.items():
-            print(f"  {name:9s} " + "  ".join(f"{t:6.1f}s {a:.1%}" for t, a in curve))
-        base = curves.get("plain")
-        ladder = [0.6, 0.7, 0.8]
-        if base:
-            ladder.append(max(a for _, a in base))
-        print("\nseconds from launch to first reaching each accuracy (plain / run):")
-        for level in ladder:
-            cells = []
-            for name, curve in curves.items():
-                t = first_reach(curve, level)
-                ratio = ""
-                if base and name != "plain" and t is not None:
-                    b = first_reach(base, level)
-                    ratio = f" ({b / t:.2f}x)" if b is not None else ""
-                cells.append(f"{name} {'-' if t is None else f'{t:.1f}s'}{ratio}")
-            print(f"  {level:.1%}: " + ", ".join(cells))
-        for name, curve in curves.items():
-            print(f"  best {name}: {max(a for _, a in curve):.1%}")
+        runs = {seed: run_seed(args, data, cwd, seed) for seed in args.seeds}
+    if len(runs) > 1:
+        summary(runs)
 
 
 if __name__ == "__main__":
