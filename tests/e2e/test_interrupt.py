@@ -26,60 +26,76 @@ def test_an_interrupt_during_a_checkpoint_write_waits_for_the_write():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+class Run:
+    """A run started in a process group of its own, its output going to files (a pipe
+    that nobody reads while the test waits would stop a run that writes more than the
+    pipe holds)."""
+
+    def __init__(self, process: subprocess.Popen, out: Path, err: Path) -> None:
+        self.process, self.pid, self._out, self._err = process, process.pid, out, err
+
+    def output(self, timeout: float) -> tuple[str, str]:
+        """(stdout, stderr) once the run has ended."""
+        self.process.wait(timeout=timeout)
+        return self._out.read_text(errors="replace"), self._err.read_text(errors="replace")
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
+
+
 def _train_in_its_own_group(tmp_path: Path, data: Path, name: str, *extra: str):
     """A long run in a process group of its own (as a terminal's job, or a cluster's),
-    once its first checkpoint is written: (the process, that checkpoint's path)."""
+    once its first checkpoint is written: (the run, that checkpoint's path)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PARATRAIN_CACHE"] = str(tmp_path / "cache")
+    env["PYTHONFAULTHANDLER"] = "1"  # SIGABRT: every thread's stack, should it hang
     argv = [
         *(sys.executable, "-m", "paratrain", "train", "--data", str(data), "--name", name),
         *("--model", "resnet18", "--image-size", "16", "--batch-size", "4", "--epochs", "500"),
         *extra,
     ]
-    process = subprocess.Popen(
-        argv,
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # a signal to the group reaches every process of the run
-    )
+    out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        process = subprocess.Popen(
+            argv,
+            cwd=tmp_path,
+            env=env,
+            stdout=stdout,
+            stderr=stderr,
+            start_new_session=True,  # a signal to the group reaches every process of the run
+        )
+    run = Run(process, out, err)
     saved = tmp_path / "runs" / name / "checkpoints" / "last.pt"
     deadline = time.monotonic() + 120
     while not saved.exists() and time.monotonic() < deadline and process.poll() is None:
         time.sleep(0.2)
     if not saved.exists():  # say why, rather than failing later on a missing file
         waited = time.monotonic() - deadline + 120
+        # where each of its processes is (its workers are in sessions of their own)
+        subprocess.run(["pkill", "-ABRT", "-f", str(data)], check=False)
+        time.sleep(3)
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
-        # workers in sessions of their own may still hold the pipes: end them too
         subprocess.run(["pkill", "-9", "-f", str(data)], check=False)
-        try:
-            out, err = process.communicate(timeout=60)
-        except subprocess.TimeoutExpired as exc:
-            out, err = _text(exc.output), _text(exc.stderr)
+        printed, told = run.output(timeout=60)
         pytest.fail(
             f"no checkpoint after {waited:.0f} s, exit code {process.returncode}:\n"
-            f"{out[-2000:]}\n{err[-4000:]}"
+            f"{printed[-2000:]}\n{told[-12000:]}"
         )
-    return process, saved
-
-
-def _text(part: str | bytes | None) -> str:
-    return part.decode(errors="replace") if isinstance(part, bytes) else part or ""
+    return run, saved
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_ctrl_c_is_told_once_and_the_run_resumes_from_what_it_kept(tmp_path, nproc):
     data = make_image_folder(tmp_path / "data", classes=3, per_class=8)
-    process, saved = _train_in_its_own_group(
+    run, saved = _train_in_its_own_group(
         tmp_path, data, "r", "--workers", "0", "--precision", "32", "--nproc", str(nproc)
     )
     time.sleep(1.0)  # well into later epochs, whose saves the signal may hit
-    os.killpg(process.pid, signal.SIGINT)
-    out, err = process.communicate(timeout=120)
-    assert process.returncode == 130, err
+    os.killpg(run.pid, signal.SIGINT)
+    out, err = run.output(timeout=120)
+    assert run.returncode == 130, err
     assert "Traceback" not in err, err
     told = [line for line in err.splitlines() if line.startswith("paratrain:")]
     assert len(told) == 1, err
@@ -102,15 +118,15 @@ def test_a_signal_to_the_whole_group_reaches_loader_workers_and_still_saves(
     on it (a preemption saves at the step it reached) and exits with the signal's code,
     without a DataLoader traceback."""
     data = make_image_folder(tmp_path / "data", classes=3, per_class=12)
-    process, saved = _train_in_its_own_group(
+    run, saved = _train_in_its_own_group(
         tmp_path, data, "g", "--cache", "off", "--workers", "1", "--nproc", str(nproc),
         "--save-every-steps", "1000",
     )  # fmt: skip
     first = checkpoint.load(saved).progress.global_step
     time.sleep(1.5)  # inside a later epoch, its loader workers busy
-    os.killpg(process.pid, sig)
-    out, err = process.communicate(timeout=120)
-    assert process.returncode == code, err
+    os.killpg(run.pid, sig)
+    out, err = run.output(timeout=120)
+    assert run.returncode == code, err
     assert "Traceback" not in err and "DataLoader worker" not in err, err
     after = checkpoint.load(saved).progress
     if sig == signal.SIGTERM:  # a preemption: saved at the step it reached
