@@ -13,7 +13,9 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from paratrain.distributed.env import DistEnv, detect
@@ -28,6 +30,9 @@ CHECKED = "PARATRAIN_CHECKED"
 # Exit code of a worker whose collective failed because another rank went away: the
 # launcher then reports the rank that failed first for a reason of its own.
 PEER_LOST = 10
+
+# what torch's launcher handles while it watches its workers (TORCHELASTIC_SIGNALS_TO_HANDLE)
+LAUNCHER_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 _PEER_SIGNS = (
     "Connection closed by peer",
     "Connection reset by peer",
@@ -87,8 +92,6 @@ def launch(
     else:
         rendezvous = ["--standalone"]  # c10d on a free port chosen by the OS
 
-    # torchrun would otherwise pin every worker to one thread and print a notice about it.
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(nproc)))
     for name in ("torch.distributed.elastic", "torch.distributed.run"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     args = torchrun.parse_args(
@@ -104,7 +107,8 @@ def launch(
     # Set after parsing: torchrun's own parser would read the worker's flags as its own.
     args.training_script_args = list(argv)
     try:
-        torchrun.run(args)
+        with launcher_scope(threads_per_process(nproc)):
+            torchrun.run(args)
     except SignalException as stopped:  # the launcher itself was told to stop
         return 128 + int(stopped.sigval)
     except ChildFailedError as failed:
@@ -124,6 +128,29 @@ def launch(
             )
         return failure.exitcode or 1
     return 0
+
+
+@contextmanager
+def launcher_scope(threads: int) -> Iterator[None]:
+    """While torch's launcher runs: ``OMP_NUM_THREADS`` for its workers, unless set
+    (torchrun would otherwise pin each to one thread and print a notice about it). After
+    it, this process as it was: its environment, and the signal handlers that the
+    launcher installs for SIGTERM, SIGINT, SIGHUP and SIGQUIT and leaves (a Python session
+    that launched a run would otherwise answer a later Ctrl-C with the launcher's
+    SignalException rather than KeyboardInterrupt)."""
+    omp = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = omp or str(threads)
+    main = threading.current_thread() is threading.main_thread()  # signals are its alone
+    signals = [getattr(signal, name) for name in LAUNCHER_SIGNALS if hasattr(signal, name)]
+    before = {sig: signal.getsignal(sig) for sig in signals} if main else {}
+    try:
+        yield
+    finally:
+        if omp is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        for sig, handler in before.items():
+            if handler is not None:  # None: set outside Python, cannot be put back
+                signal.signal(sig, handler)
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
