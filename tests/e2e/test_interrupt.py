@@ -16,7 +16,17 @@ from paratrain.engine import checkpoint
 from paratrain.engine.preempt import interrupts_deferred
 
 
-def test_an_interrupt_during_a_checkpoint_write_waits_for_the_write():
+@pytest.fixture
+def ctrl_c_as_a_terminal_has_it():
+    """SIGINT raising KeyboardInterrupt here and in the runs started here, even when the
+    suite runs as a shell's background job (which starts with SIGINT ignored, and its
+    children inherit that)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_an_interrupt_during_a_checkpoint_write_waits_for_the_write(ctrl_c_as_a_terminal_has_it):
     with pytest.raises(KeyboardInterrupt):
         with interrupts_deferred():
             os.kill(os.getpid(), signal.SIGINT)
@@ -44,6 +54,12 @@ class Run:
         return self.process.returncode
 
 
+def _ctrl_c_by_default() -> None:
+    """In the run's process before it starts: SIGINT as a terminal's job has it, even if
+    this suite was started with it ignored (a shell's background job)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _train_in_its_own_group(tmp_path: Path, data: Path, name: str, *extra: str):
     """A long run in a process group of its own (as a terminal's job, or a cluster's),
     once its first checkpoint is written: (the run, that checkpoint's path)."""
@@ -64,6 +80,7 @@ def _train_in_its_own_group(tmp_path: Path, data: Path, name: str, *extra: str):
             stdout=stdout,
             stderr=stderr,
             start_new_session=True,  # a signal to the group reaches every process of the run
+            preexec_fn=_ctrl_c_by_default,
         )
     run = Run(process, out, err)
     saved = tmp_path / "runs" / name / "checkpoints" / "last.pt"

@@ -120,7 +120,9 @@ def test_a_partitioned_checkpoint_evaluates_alike_in_one_process(runs, name):
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["count"] == row["val_count"] == 6
     assert result["top1"] == row["val_top1"]
-    assert result["loss"] == pytest.approx(row["val_loss"], rel=1e-5)
+    # the same images in other batches (the pipeline's micro-batches, fsdp's shards): fp32
+    # kernels chosen per shape sum in other orders (1.1e-5 apart on an AMX Xeon)
+    assert result["loss"] == pytest.approx(row["val_loss"], rel=1e-4)
 
 
 def test_checkpoints_move_between_pipeline_fsdp_and_one_process(runs):
