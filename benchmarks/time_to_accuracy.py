@@ -100,7 +100,7 @@ def first_reach(curve: list[tuple[float, float]], level: float) -> float | None:
 
 def run_seed(args, data: Path, cwd: Path, seed: int) -> dict[str, list[tuple[float, float]]]:
     """Every variant's curve with both loops seeded by ``seed``, printed as it ends."""
-    args.seed = seed
+    args = argparse.Namespace(**{**vars(args), "seed": seed})  # the loops read args.seed
     curves: dict[str, list[tuple[float, float]]] = {}
     small = max(8, (args.size // 2) // 8 * 8)
     extras = {
