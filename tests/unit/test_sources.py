@@ -229,3 +229,64 @@ def test_the_launchers_listing_is_read_by_the_runs_processes(tmp_path, monkeypat
     assert sources.LISTING not in os.environ
     build_split(str(data))  # after the run: listed again
     assert calls[-1] == str(data)
+
+
+def _cut_after(shard, samples: int) -> None:
+    """``shard`` cut where a writer killed mid-shard leaves it: whole members up to the
+    ``samples``-th sample's, and no end-of-archive blocks."""
+    import tarfile
+
+    with tarfile.open(shard) as tar:
+        members = tar.getmembers()
+    cut = members[2 * samples].offset  # two members a sample: .jpg and .cls
+    with open(shard, "r+b") as handle:
+        handle.truncate(cut)
+
+
+@pytest.mark.parametrize("policy", ["error", "skip"])
+def test_a_shard_cut_between_two_samples_is_a_bad_shard(tmp_path, policy):
+    """Python's tarfile reads end-of-file at a header as a normal end: without the end
+    blocks check the cut shard read as 7 samples instead of 30, without a word."""
+    pytest.importorskip("braceexpand")
+    shards = make_shards(tmp_path / "wds", shards=3, per_shard=30)
+    _cut_after(shards / "shard-001.tar", 7)
+    split = build_split(open_source(f"wds:{shards}/shard-{{000..002}}.tar", tmp_path / "c"))
+    assert len(split.train) + len(split.val) == 60  # the cut shard is not read as shorter
+    [(where, why)] = split.missing
+    assert where == f"shard {shards}/shard-001.tar"
+    assert why.startswith("unfinished: no end-of-archive blocks after its 7 samples")
+    if policy == "error":
+        with pytest.raises(UserError, match=r"shard .*shard-001.tar \(unfinished"):
+            screen(split, policy, 0, 1, 0, None, found=[])
+    else:
+        kept = screen(split, policy, 0, 1, 0, tmp_path, found=[])
+        assert len(kept.train) + len(kept.val) == 60
+        assert "shard-001.tar\tunfinished" in (tmp_path / "bad_images.txt").read_text()
+    # the verdict is kept with the shard's index: a second listing says the same
+    again = build_split(open_source(f"wds:{shards}/shard-{{000..002}}.tar", tmp_path / "c"))
+    assert again.missing == split.missing
+
+
+def test_a_shard_whose_count_differs_from_its_index_is_a_bad_shard(tmp_path):
+    """webdataset's shard index (wids: a shardlist of url and nsamples) says how many
+    samples each shard holds; a shard that holds another number is bad."""
+    import json
+
+    pytest.importorskip("braceexpand")
+    shards = make_shards(tmp_path / "wds", shards=2, per_shard=10)
+    index = {
+        "__kind__": "wids-shard-index-v1",
+        "shardlist": [
+            {"url": "shard-000.tar", "nsamples": 10},
+            {"url": "shard-001.tar", "nsamples": 12},
+        ],
+    }
+    (shards / "index.json").write_text(json.dumps(index))
+    split = build_split(open_source(f"wds:{shards}/index.json", tmp_path / "c"))
+    assert len(split.train) + len(split.val) == 10
+    assert split.missing == [
+        (f"shard {shards}/shard-001.tar", "10 samples where its index says 12")
+    ]
+    (shards / "broken.json").write_text("{not json")
+    with pytest.raises(UserError, match="broken.json is not a readable shard index"):
+        open_source(f"wds:{shards}/broken.json", tmp_path / "c")

@@ -263,15 +263,17 @@ def screen(
     if not bad:
         return split
     listing = "; ".join(f"{key} ({why})" for key, why in bad)
+    shards = sum(key.startswith("shard ") for key, _ in bad)  # a source's whole shard
+    what = f"{len(bad) - shards} unreadable image(s)" + (
+        f", {shards} bad shard(s)" if shards else ""
+    )
     if policy == "error":
-        raise AgreedUserError(
-            f"{len(bad)} unreadable image(s) (--bad-images skip leaves them out): {listing}"
-        )
+        raise AgreedUserError(f"{what} (--bad-images skip leaves them out): {listing}")
     bad_keys = {key for key, _ in bad}
     if run_dir is not None and rank == 0:
         (run_dir / "bad_images.txt").write_text("".join(f"{k}\t{w}\n" for k, w in bad))
     listed = f"; listed in {run_dir / 'bad_images.txt'}" if run_dir is not None else ""
-    log.info(f"skipping {len(bad)} unreadable image(s){listed}")
+    log.info(f"skipping {what}{listed}")
     kept = replace(
         split,
         train=leave_out(split.train, bad_keys),

@@ -37,6 +37,7 @@ import numpy as np
 
 from paratrain.data.samples import PackedStrings, Samples
 from paratrain.errors import UserError
+from paratrain.files import write_atomic
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 HF, WDS = "hf:", "wds:"
@@ -493,6 +494,22 @@ def _is_local(url: str) -> bool:
     return "://" not in url or url.startswith("file://")
 
 
+def _unfinished(path: str, end: int, samples: int) -> str:
+    """Why a tar shard is unfinished ('' if it is whole): an archive ends in two zero
+    blocks after its last member, and a writer killed mid-shard leaves none. Python's
+    tarfile reads the end of the file at a header as a normal end, so without this a
+    shard cut between two members reads as a shorter one."""
+    with open(path, "rb") as handle:
+        handle.seek(end)
+        tail = handle.read(2 * tarfile.BLOCKSIZE)
+    if len(tail) == 2 * tarfile.BLOCKSIZE and not tail.strip(b"\0"):
+        return ""
+    return (
+        f"unfinished: no end-of-archive blocks after its {samples} samples "
+        "(a writer stopped mid-shard?)"
+    )
+
+
 class WebDatasetSource(Source):
     """WebDataset shards (tar files): each sample is the members sharing a key. Its key
     here is ``<shard>:<offset>:<size>`` (where the image member's bytes lie), so a sample
@@ -502,13 +519,35 @@ class WebDatasetSource(Source):
 
     def __init__(self, spec: str, cache_dir: Path, val_pattern: str | None = None):
         self.name, self.cache_dir = spec, Path(cache_dir)
-        self.urls = expand_pattern(spec[len(WDS) :])
+        self.counts: dict[str, int] = {}  # a shard's sample count, where an index says it
+        self.urls = self._expand(spec[len(WDS) :])
         if val_pattern and val_pattern.startswith(WDS):
             val_pattern = val_pattern[len(WDS) :]
-        self.val_urls = expand_pattern(val_pattern) if val_pattern else []
+        self.val_urls = self._expand(val_pattern) if val_pattern else []
         if not self.urls:
             raise UserError(f"--data {spec}: the pattern names no shard")
         self.local: dict[int, str] = {}  # shard number -> a path on this machine
+
+    def _expand(self, pattern: str) -> list[str]:
+        """A pattern's shards, or those of a shard index (``wds:shards.json``, the
+        ``shardlist`` of ``{"url", "nsamples"}`` that webdataset's wids writes; a relative
+        url is beside the index), whose counts each shard is then checked against."""
+        if not pattern.endswith(".json"):
+            return expand_pattern(pattern)
+        path = Path(pattern[len("file://") :] if pattern.startswith("file://") else pattern)
+        try:
+            shards = json.loads(path.read_text())["shardlist"]
+            urls = [u if "://" in u else str(path.parent / u) for u in (s["url"] for s in shards)]
+            self.counts.update(
+                {
+                    u: int(s["nsamples"])
+                    for u, s in zip(urls, shards, strict=True)
+                    if "nsamples" in s
+                }
+            )
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise UserError(f"--data wds: {path} is not a readable shard index ({exc})") from None
+        return urls
 
     def identity(self) -> str:
         return f"wds:{','.join(self.urls + self.val_urls)}"
@@ -549,16 +588,19 @@ class WebDatasetSource(Source):
                     raise UserError(f"--data wds: cannot fetch {url}: {exc}") from None
         return str(target)
 
-    def _index(self, path: str) -> list[tuple[str, int, int, str]]:
+    def _index(self, path: str) -> tuple[list[tuple[str, int, int, str]], str]:
         """(sample key, offset, size, label text) of each sample with an image in a shard,
-        read from its tar headers once and kept beside it in the cache folder."""
+        read from its tar headers once and kept beside it in the cache folder; and what
+        is wrong with the shard ('' when nothing: see :func:`_unfinished`)."""
         stat = os.stat(path)
         tag = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[
             :16
         ]
-        kept = self.cache_dir / "shard-index" / f"{tag}.json"
+        kept = self.cache_dir / "shard-index" / f"{tag}.v2.json"
         if kept.is_file():
-            return [(str(k), int(o), int(n), str(c)) for k, o, n, c in json.loads(kept.read_text())]
+            found = json.loads(kept.read_text())
+            rows = [(str(k), int(o), int(n), str(c)) for k, o, n, c in found["rows"]]
+            return rows, str(found["defect"])
         images: dict[str, tuple[int, int]] = {}
         labels: dict[str, str] = {}
         try:
@@ -575,6 +617,7 @@ class WebDatasetSource(Source):
                     elif extension in LABEL_MEMBERS and key not in labels:
                         handle = tar.extractfile(member)
                         labels[key] = handle.read().decode().strip() if handle else ""
+                defect = _unfinished(path, tar.offset, len(images))
         except (tarfile.TarError, OSError) as exc:
             raise UserError(f"--data wds: {path} is not a readable tar shard ({exc})") from None
         rows = [
@@ -582,10 +625,8 @@ class WebDatasetSource(Source):
             for key, (offset, size) in sorted(images.items())
         ]
         kept.parent.mkdir(parents=True, exist_ok=True)
-        tmp = kept.with_name(f".{kept.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(rows))
-        os.replace(tmp, kept)
-        return rows
+        write_atomic(kept, json.dumps({"rows": rows, "defect": defect}).encode())
+        return rows, defect
 
     def list_entries(self, node: int = 0, nodes: int = 1) -> Listing:
         shards = self._shards(node, nodes)
@@ -593,11 +634,18 @@ class WebDatasetSource(Source):
             tuple[int, str, int, int, str, int]
         ] = []  # shard, key, offset, size, label, side
         changed: list[int] = []  # each sample's shard's modification time
+        bad: list[tuple[str, str]] = []  # (shard, why): left out, or refused, by --bad-images
         for number, url, side in shards:
             path = self._fetch(url)
             self.local[number] = path
             mtime = os.stat(path).st_mtime_ns
-            for key, offset, size, label in self._index(path):
+            rows, defect = self._index(path)
+            if not defect and url in self.counts and self.counts[url] != len(rows):
+                defect = f"{len(rows)} samples where its index says {self.counts[url]}"
+            if defect:
+                bad.append((f"shard {path}", defect))
+                continue
+            for key, offset, size, label in rows:
                 entries.append((number, key, offset, size, label, side))
                 changed.append(mtime)
         missing = [e for e in entries if not e[4]]
@@ -620,7 +668,8 @@ class WebDatasetSource(Source):
         sides = np.array([side for *_, side in entries], np.int8)
         samples = Samples(keys, labels, self, np.array([e[3] for e in entries]), np.array(changed))
         given = bool(self.val_urls)
-        return Listing(classes, samples, sides if given else None, "given" if given else "split")
+        layout = "given" if given else "split"
+        return Listing(classes, samples, sides if given else None, layout, missing=bad)
 
     def _classes(self, labels: list[str]) -> list[str]:
         """Class names: classes.txt beside the first shard (one a line, in index order),

@@ -54,6 +54,15 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return buffer.to(tensor.device)
 
 
+def all_reduce_max(value: int) -> int:
+    """The largest of every rank's ``value``."""
+    if not is_dist():
+        return value
+    buffer = torch.tensor([value], dtype=torch.int64, device=comm_device())
+    dist.all_reduce(buffer, op=dist.ReduceOp.MAX)
+    return int(buffer.item())
+
+
 def broadcast_object(obj: T, src: int = 0) -> T:
     """Send a picklable object from rank ``src`` to every rank."""
     if not is_dist():

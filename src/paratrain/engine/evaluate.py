@@ -123,6 +123,29 @@ def _full_batch_logits(
     return logits_of(output)[:n].float()
 
 
+def _pad_forward_calls(
+    model: nn.Module | ModelParts,
+    loader: DataLoader,
+    last: torch.Tensor | None,
+    calls: int,
+    tta: bool,
+) -> None:
+    """``calls`` forward passes whose outputs count nothing, so that a rank whose exact
+    shard holds fewer batches (none, even) still joins every collective that a sharded
+    forward makes on the others (FSDP all-gathers each unit's parameters). The images are
+    this rank's last batch, or, where it had none, the set's first image."""
+    if calls <= 0:
+        return
+    if last is None:
+        dataset, device = loader.dataset, getattr(model, "input_device", None)
+        fetch = getattr(dataset, "__getitems__", None)
+        items = fetch([0]) if fetch is not None else [dataset[0]]
+        last = loader.collate_fn(items)[0].to(device or "cpu")
+    assert last is not None
+    for _ in range(calls):
+        _full_batch_logits(model, last, loader.batch_size, tta)
+
+
 def _format_of(images: torch.Tensor) -> torch.memory_format:
     channels_last = images.dim() == 4 and images.is_contiguous(memory_format=torch.channels_last)
     return torch.channels_last if channels_last else torch.contiguous_format
@@ -152,8 +175,12 @@ def evaluate(
     predicted: list[int] = []
     fmt = getattr(model, "memory_format", torch.preserve_format)
     label_device = getattr(model, "output_device", None) or device
+    mine = len(loader) if limit is None else min(len(loader), limit)
+    # agreed before any forward: a sharded forward is a collective on every rank
+    calls = comm.all_reduce_max(mine) if getattr(model, "collective_forward", False) else mine
+    images = None
     for batch, (images, labels) in enumerate(loader):
-        if limit is not None and batch >= limit:
+        if batch >= mine:
             break
         images = images.to(device, non_blocking=True, memory_format=fmt)
         labels = labels.to(label_device, non_blocking=True)
@@ -170,6 +197,7 @@ def evaluate(
         confusion += torch.bincount(pairs, minlength=num_classes * num_classes)
         if detailed:
             predicted += top[:, 0].tolist()
+    _pad_forward_calls(model, loader, images, calls - mine, tta)
     model.train(was_training)
 
     local = torch.cat(losses) if losses else torch.zeros(0, dtype=torch.float64)

@@ -74,6 +74,10 @@ def data_parallel(
         process_group=group,
         # DDP's buckets become the .grad tensors: one copy of the gradients, not two.
         gradient_as_bucket_view=True,
+        # BatchNorm statistics are agreed before evaluating (ModelParts.agree_buffers),
+        # not broadcast at each forward: rank 0's evolve the same either way, and an
+        # evaluation forward must not be a collective (ranks' shards differ in batches)
+        broadcast_buffers=False,
         bucket_cap_mb=cfg.bucket_cap_mb,
         static_graph=cfg.grad_accum == 1 and not staged,
         find_unused_parameters=staged,

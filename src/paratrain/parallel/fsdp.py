@@ -53,6 +53,7 @@ def blocks(model: nn.Module) -> list[nn.Module]:
 
 class FSDPParts(ModelParts):
     collective_state = True  # each rank holds a shard
+    collective_forward = True  # each unit's forward all-gathers its parameters
     fused_optimizer = False  # torch 2.14 has no sharding rule for fused SGD over DTensors
 
     def __init__(self, model: nn.Module, full_names: list[str], runtime: Runtime, layout: Layout):

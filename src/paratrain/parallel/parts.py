@@ -62,6 +62,9 @@ class ModelParts(list):
 
     fixed_batch = False  # True where every training batch must have the full size
     collective_state = False  # True where gathering the state needs every rank
+    # True where a forward is itself a collective (FSDP all-gathers each unit's
+    # parameters): every rank must then make the same number of forward calls
+    collective_forward = False
     fused_optimizer = True  # False where torch's fused optimizer kernels cannot run (DTensor)
     grouping: Grouping | None = None  # the optimizer's groups, made from the whole model
 
@@ -146,7 +149,16 @@ class ModelParts(list):
     def agree_buffers(self) -> None:
         """Before evaluating and saving: every copy of the model takes the first copy's
         buffers (BatchNorm statistics), so the sharded evaluation and the checkpoint see
-        one model. DDP does this at every forward itself."""
+        one model. DDP is built without its own broadcast at every forward
+        (parallel/ddp.data_parallel): that broadcast ran in evaluation forwards too, a
+        collective that a rank whose exact shard holds no batch never joins."""
+        if self.replicas == 1:
+            return
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            for buffer in self.buffers():
+                dist.broadcast(buffer, src=0)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         """Indexed like a single-device optimizer over the whole model's parameters."""

@@ -84,6 +84,9 @@ class PipelineParts(ModelParts):
         if self.first:
             return self.schedule.eval(inputs)
         # the schedule has a loss function, so its last stage asks for targets it ignores
+        # (and for a criterion, unset before the first training step)
+        if self.loss.criterion is None:
+            self.loss.criterion = nn.CrossEntropyLoss()
         dummy = torch.zeros(inputs.shape[0], dtype=torch.long, device=inputs.device)
         return self.schedule.eval(target=dummy if self.last else None)
 
