@@ -31,6 +31,9 @@ def _hub_file(monkeypatch, tmp_path: Path, model: str = "resnet18", seed: int = 
     """A weights file where torchvision's DEFAULT weights of ``model`` resolve to, in a
     torch hub cache of this test's own."""
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    # a stand-in under torchvision's own file name, whose hash prefix no stand-in can
+    # have: the name's check is left out here (test_a_damaged_cached_file_is_refused...)
+    monkeypatch.setattr(pretrained, "_hash_prefix", lambda file: None)
     url = torchvision.models.get_model_weights(model).DEFAULT.url
     file = tmp_path / "torch" / "hub" / "checkpoints" / os.path.basename(url)
     file.parent.mkdir(parents=True)
@@ -126,8 +129,10 @@ def _hf_cache(root: Path, repo: str, state: dict[str, torch.Tensor]) -> Path:
     blobs, snapshot = folder / "blobs", folder / "snapshots" / revision
     blobs.mkdir(parents=True)
     snapshot.mkdir(parents=True)
-    blob = blobs / hashlib.sha256(repo.encode()).hexdigest()
-    save_file({k: v.contiguous() for k, v in state.items()}, str(blob))
+    staging = blobs / "staging"
+    save_file({k: v.contiguous() for k, v in state.items()}, str(staging))
+    blob = blobs / hashlib.sha256(staging.read_bytes()).hexdigest()  # an LFS blob's name
+    staging.rename(blob)
     (snapshot / "model.safetensors").symlink_to(os.path.relpath(blob, snapshot))
     (folder / "refs").mkdir()
     (folder / "refs" / "main").write_text(revision)
@@ -259,3 +264,50 @@ def test_a_named_weights_value_is_not_taken_for_a_missing_file(tmp_path):
     assert looks_like_file("resnet34-b627a593.pth") and looks_like_file("./w")
     with pytest.raises(UserError, match="--weights file does not exist: nope.pth"):
         resolve_train({"weights": "nope.pth"}).check_paths()
+
+
+def _flip(file: Path, keep_time: bool = False) -> None:
+    """64 bytes in the middle of ``file`` inverted, its size kept."""
+    before = file.stat()
+    data = bytearray(file.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 64] = bytes(255 - b for b in data[middle : middle + 64])
+    file.write_bytes(bytes(data))
+    if keep_time:
+        os.utime(file, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+def test_a_damaged_cached_file_is_refused_whatever_put_it_there(tmp_path):
+    """A torch hub file is checked against its name's hash prefix each time it is taken
+    from the cache, not only on download; the verdict is kept by size and modification
+    time, so an unchanged file is hashed once."""
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    staging = hub / "staging.pth"
+    torch.save({"w": torch.arange(50_000, dtype=torch.float32)}, staging)
+    file = hub / f"tiny-{hashlib.sha256(staging.read_bytes()).hexdigest()[:8]}.pth"
+    staging.rename(file)
+    named = pretrained.NamedWeights("tiny", "http://127.0.0.1:9/never", file=file)
+    assert named.fetch() == file  # intact: taken from the cache, nothing fetched
+    _flip(file, keep_time=True)  # same size and time: the kept verdict stands (no hash)
+    assert named.fetch() == file
+    os.utime(file)  # what a real change does to its time
+    with pytest.raises(UserError) as damaged:
+        named.fetch()
+    message = str(damaged.value)
+    assert message.startswith(f"the weights file {file} is damaged")
+    assert "delete it and it is fetched again" in message and "\n" not in message
+
+
+def test_a_damaged_hugging_face_blob_is_refused(monkeypatch, tmp_path):
+    import timm
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    source = timm.create_model("resnet18", num_classes=1000).state_dict()
+    snapshot_file = _hf_cache(tmp_path / "hf", "timm/resnet18.a1_in1k", source)
+    cfg = resolve_train({"model": "timm/resnet18", "weights": "pretrained", "image_size": 32})
+    build_model(cfg, num_classes=3)  # intact
+    _flip(snapshot_file.resolve())
+    with pytest.raises(UserError, match=r"the weights file .*model.safetensors is damaged"):
+        build_model(cfg, num_classes=3)

@@ -46,11 +46,13 @@ class NamedWeights:
     repo: str | None = None  # a Hugging Face hub repository (timm)
 
     def fetch(self) -> Path:
-        """The weights file on this machine, fetched first where it is absent."""
+        """The weights file on this machine, fetched first where it is absent, and
+        checked against its recorded hash whatever put it there."""
         if self.repo is not None:
-            return _fetch_from_hf(self)
+            found = _fetch_from_hf(self)
+            return _verified(found, _hf_recorded_hash(found))
         assert self.file is not None
-        return _fetch_url(self)
+        return _verified(_fetch_url(self), _hash_prefix(self.file))
 
 
 def timm_module():
@@ -145,6 +147,54 @@ def _hash_prefix(file: Path) -> str | None:
     tail = stem.rsplit("-", 1)[-1] if "-" in stem else ""
     hexdigits = set("0123456789abcdef")
     return tail if len(tail) >= HASH_PREFIX_LENGTH and set(tail) <= hexdigits else None
+
+
+def _verified(file: Path, expected: str | None) -> Path:
+    """``file`` once its SHA-256 starts with ``expected`` (a torch hub name's prefix, or
+    the whole hash a hub blob is named by; None: nothing recorded to check). A file
+    already checked at its size and modification time is not hashed again."""
+    if not expected:
+        return file
+    import hashlib
+    import json
+
+    stat = file.stat()
+    seen = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "expected": expected}
+    where = str(file.resolve()).encode()
+    record = (
+        Path(torch.hub.get_dir())
+        / "paratrain-verified"
+        / (hashlib.sha256(where).hexdigest()[:24] + ".json")
+    )
+    try:
+        if json.loads(record.read_text()) == seen:
+            return file
+    except (OSError, ValueError):
+        pass
+    digest = hashlib.sha256()
+    with open(file, "rb") as handle:
+        while chunk := handle.read(8 << 20):
+            digest.update(chunk)
+    actual = digest.hexdigest()
+    if not actual.startswith(expected):
+        raise UserError(
+            f"the weights file {file} is damaged: its SHA-256 is {actual[:16]}..., its "
+            f"recorded hash {expected[:16]}...; delete it and it is fetched again"
+        )
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        record.write_text(json.dumps(seen))
+    except OSError:  # a read-only cache: checked again next time
+        pass
+    return file
+
+
+def _hf_recorded_hash(file: Path) -> str | None:
+    """The SHA-256 huggingface_hub recorded for a cached file: its blob's name, for a
+    file stored in LFS (a git blob's 40-hex name is no SHA-256 of the contents)."""
+    blob = file.resolve().name
+    hexdigits = set("0123456789abcdef")
+    return blob if len(blob) == 64 and set(blob) <= hexdigits else None
 
 
 def _fetch_url(named: NamedWeights) -> Path:
