@@ -76,6 +76,7 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, say: Say = print) -> dict 
     from paratrain.engine.describe import dry_run as describe
     from paratrain.engine.describe import embedded_data
     from paratrain.engine.trainer import train_worker
+    from paratrain.report.loggers import DOWN
 
     cfg.validate()
     env = detect(os.environ)
@@ -117,6 +118,7 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, say: Say = print) -> dict 
                 master_port=cfg.master_port,
             )
     finally:  # workers that stopped before writing anything leave no empty run folder
+        os.environ.pop(DOWN, None)  # what the checks found of the trackers, for this run
         if claimed is not None and claimed.is_dir() and not any(claimed.iterdir()):
             claimed.rmdir()
 

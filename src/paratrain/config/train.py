@@ -725,6 +725,23 @@ class TrainConfig(Options):
     tensorboard: bool = setting(
         False, "the same as --logger tensorboard", group="output", resume="quiet"
     )
+    tracker_timeout: float = setting(
+        5.0,
+        "seconds an experiment tracker's server has to answer: once before the launch, "
+        "and each call during the run",
+        group="output",
+        low=0.1,
+        high=600.0,
+        resume="quiet",
+    )
+    on_tracker_error: str = setting(
+        "fail",
+        "a tracker that cannot be reached or started before training: fail (one line) or "
+        "warn (train without it); one that fails during the run never stops training",
+        group="output",
+        choices=("fail", "warn"),
+        resume="quiet",
+    )
 
     def check_paths(self) -> None:
         """The files and folders named (data, weights, resume) are there."""

@@ -41,6 +41,7 @@ def preflight(cfg: TrainConfig, world: int) -> None:
         validation_side(listing, source, cfg.val_fraction, cfg.split_seed)  # can split
         offer(source, listing)  # the run's processes read it rather than list again
     check_extras(cfg)
+    check_trackers(cfg)
     if cfg.weights:  # named weights fetched here, once, before any worker starts
         from paratrain.models.registry import fetch_weights
 
@@ -81,6 +82,23 @@ def check_extras(cfg: TrainConfig) -> None:
     for module, extra, wanted, what in EXTRAS:
         if wanted(cfg) and importlib.util.find_spec(module) is None:
             raise UserError(f"{what} needs the {module} package: pip install '{extra}'")
+
+
+def check_trackers(cfg: TrainConfig) -> None:
+    """Every tracker's server reached once, within --tracker-timeout: one that does not
+    answer is one line (--on-tracker-error fail), or is left out of the run, said once
+    (warn; the run's processes inherit which, report/loggers.DOWN)."""
+    from paratrain.log import get_logger
+    from paratrain.report.loggers import DOWN, unreachable
+
+    found = unreachable(cfg.loggers, cfg.tracker_timeout)
+    if found and cfg.on_tracker_error == "fail":
+        name, why = next(iter(found.items()))
+        raise UserError(f"--logger {name}: {why} (--on-tracker-error warn trains without it)")
+    for name, why in found.items():
+        get_logger().warning(f"--logger {name}: {why}; training without it")
+    if found:
+        os.environ[DOWN] = ",".join(found)
 
 
 def check_devices(cfg: TrainConfig, world: int) -> None:

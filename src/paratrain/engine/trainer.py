@@ -196,7 +196,14 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
         metrics.drop_after(progress.epoch)
         _announce(cfg, runtime, split, loaders, recipe, run_dir, resume_from)
     tracked = cfg.loggers if runtime.is_main else ()  # rank 0 alone reports
-    loggers = Loggers(run_dir, tracked, cfg.to_dict(), runtime.world_size)
+    loggers = Loggers(
+        run_dir,
+        tracked,
+        cfg.to_dict(),
+        runtime.world_size,
+        cfg.tracker_timeout,
+        cfg.on_tracker_error,
+    )
     return Run(
         cfg,
         runtime,

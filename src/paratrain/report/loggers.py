@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+from paratrain.errors import UserError
 from paratrain.log import get_logger
 
 if TYPE_CHECKING:
@@ -32,6 +34,9 @@ TRACKERS = {
     "csv": None,
 }
 IDS = "trackers.json"
+# the trackers found unreachable before the launch under --on-tracker-error warn: the
+# run's processes (which inherit it) leave them out rather than wait for them again
+DOWN = "PARATRAIN_TRACKERS_DOWN"
 
 
 class Tracker(Protocol):
@@ -47,14 +52,31 @@ class Tracker(Protocol):
 class Loggers:
     """The trackers asked for, on rank 0 (none elsewhere): one call reaches each."""
 
-    def __init__(self, run_dir: Path, names: tuple[str, ...], settings: dict, world_size: int):
+    def __init__(
+        self,
+        run_dir: Path,
+        names: tuple[str, ...],
+        settings: dict,
+        world_size: int,
+        timeout: float = 5.0,
+        on_error: str = "fail",
+    ):
         self.world_size = world_size
         self.last = time.perf_counter()
         self.pending: torch.Tensor | None = None  # (loss x n, correct, n) not yet written
         self.trackers: list[Tracker] = []
         ids = _read_ids(run_dir) if names else {}  # ranks without trackers read nothing
-        for name in names:
-            self.trackers.append(_OPEN[name](run_dir, settings, ids))
+        down = set(os.environ.get(DOWN, "").split(","))  # told before the launch
+        if names:
+            bound_requests(timeout)
+        for name in (n for n in names if n not in down):
+            try:
+                self.trackers.append(_Guarded(name, _OPEN[name](run_dir, settings, ids)))
+            except Exception as exc:  # a server, a store, a package: whatever it raised
+                told = f"--logger {name} cannot start: {cause(exc)}"
+                if on_error == "fail":
+                    raise UserError(f"{told} (--on-tracker-error warn trains without it)") from None
+                get_logger().warning(f"{told}; training without it (--on-tracker-error warn)")
         if ids:
             (run_dir / IDS).write_text(json.dumps(ids, indent=2) + "\n")
 
@@ -114,6 +136,95 @@ class Loggers:
 
     def __exit__(self, kind, *exc) -> None:
         self.close(failed=kind is not None)
+
+
+class _Guarded:
+    """A tracker that never stops training: its first failure is told once (the
+    metrics still go to metrics.jsonl), and it is not called again."""
+
+    def __init__(self, name: str, tracker: Tracker):
+        self.name, self.tracker, self.failed = name, tracker, False
+
+    def _call(self, what: str, *args: Any) -> None:
+        if self.failed:
+            return
+        try:
+            getattr(self.tracker, what)(*args)
+        except Exception as exc:
+            self.failed = True
+            get_logger().warning(
+                f"--logger {self.name} failed ({cause(exc)}); training goes on without it, "
+                "its metrics are still in metrics.jsonl"
+            )
+
+    def step(self, step: int, scalars: dict[str, float]) -> None:
+        self._call("step", step, scalars)
+
+    def epoch(self, epoch: int, step: int, scalars: dict[str, float]) -> None:
+        self._call("epoch", epoch, step, scalars)
+
+    def finish(self, curves: Path | None, checkpoint: Path | None) -> None:
+        self._call("finish", curves, checkpoint)
+
+    def close(self, failed: bool) -> None:
+        self._call("close", failed)
+
+
+def cause(exc: BaseException) -> str:
+    """An exception's first line, short (a tracker's chained tracebacks run to pages)."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
+
+
+def bound_requests(timeout: float) -> None:
+    """MLflow's HTTP calls bounded by ``timeout`` and not retried (its defaults: 120 s a
+    request, 7 retries with backoff: minutes of a stalled run for a dead server); a
+    user's own MLFLOW_HTTP_REQUEST_* settings are kept."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(max(1, math.ceil(timeout))))
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+
+
+def unreachable(names: tuple[str, ...], timeout: float) -> dict[str, str]:
+    """Each tracker of ``names`` whose server does not answer within ``timeout``
+    seconds -> why (trackers that write local files answer always)."""
+    found = {}
+    for name in names:
+        reach = _REACH.get(name)
+        why = reach(timeout) if reach is not None else None
+        if why:
+            found[name] = why
+    return found
+
+
+def _answers(url: str, timeout: float) -> str | None:
+    """None when ``url`` answers (any HTTP status), else why not."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(url, timeout=timeout).close()
+    except urllib.error.HTTPError:
+        return None  # it answered, if not with 200
+    except (OSError, ValueError) as exc:  # URLError, refused, timed out, a bad URL
+        reason = getattr(exc, "reason", None) or exc
+        return f"{url} did not answer within {timeout:g} s ({reason})"
+    return None
+
+
+def _reach_mlflow(timeout: float) -> str | None:
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if uri.startswith(("http://", "https://")):
+        return _answers(uri.rstrip("/") + "/health", timeout)
+    return None  # a file store or a database: opened by the run itself
+
+
+def _reach_wandb(timeout: float) -> str | None:
+    if os.environ.get("WANDB_MODE") in ("offline", "disabled", "dryrun") or not _wandb_key():
+        return None  # offline: nothing to reach
+    return _answers(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"), timeout)
+
+
+_REACH: dict[str, Callable[[float], str | None]] = {"mlflow": _reach_mlflow, "wandb": _reach_wandb}
 
 
 def _read_ids(run_dir: Path) -> dict[str, str]:
@@ -192,8 +303,9 @@ class MlflowTracker:
 
         uri = os.environ.get("MLFLOW_TRACKING_URI")
         if not uri:  # the one store the mlflow-skinny client writes without a server
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             uri = (run_dir.parent / "mlruns").resolve().as_uri()
+        if uri.startswith("file:"):  # asked for (or the default): MLflow 3 wants it said
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(uri)
         if "mlflow" in ids:
             self.run_id = ids["mlflow"]
