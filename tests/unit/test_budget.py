@@ -213,3 +213,34 @@ def test_a_dry_run_says_the_epochs_that_fit_and_the_recipe(budget, recipe, said)
     timed = 16 if recipe == "low-res" else 32  # a low-res run's steps are timed at its size
     assert f"epochs at {timed} px" in line, line
     assert (said in line) if said else ("low-res" not in line), line
+
+
+def test_a_budget_used_up_before_the_first_step_is_refused_and_a_spent_one_says_so(
+    image_folder, tmp_path, monkeypatch, capsys
+):
+    """--budget 1s on a fresh run is refused (exit 2) naming the budget, not "0 of 5
+    epochs already trained"; a resumed run whose budget is spent says so and how to go
+    on, not --epochs (which --budget ignores)."""
+    from paratrain import train
+    from paratrain.errors import AgreedUserError
+    from paratrain.log import since_start
+
+    common = dict(
+        data=str(image_folder), image_size=16, batch_size=4, workers=0, epochs=5,
+        output_dir=str(tmp_path / "runs"), name="b", cache="off",
+    )  # fmt: skip
+    with pytest.raises(AgreedUserError) as refused:
+        train(TrainConfig(**common, budget="1s"))
+    assert refused.value.exit_code == 2
+    assert str(refused.value).startswith("--budget 1s was used up before the first step")
+    assert not (tmp_path / "runs" / "b").exists()  # nothing trained, nothing left behind
+    train(TrainConfig(**common, max_steps=2))  # a run with a checkpoint to resume
+    monkeypatch.setattr(budget_module, "since_start", lambda: since_start() + 3600)
+    capsys.readouterr()
+    train(TrainConfig(**common, budget="10m", resume="auto"))
+    said = [line for line in capsys.readouterr().out.splitlines() if "is spent" in line]
+    assert len(said) == 1
+    assert said[0].startswith(f"{tmp_path / 'runs' / 'b'}: --budget 10m is spent (1h")
+    assert said[0].endswith(
+        "trained, the rest kept for saving and ending); a longer --budget trains on"
+    )

@@ -63,6 +63,25 @@ def test_a_smoke_run_stops_at_max_steps_and_monitors_what_it_is_told(image_folde
     assert best.progress.best_top1 == pytest.approx(rows[-1]["val_macro_f1"])
 
 
+def test_a_run_stopped_at_max_steps_resumes_the_rest_of_its_epoch(image_folder, tmp_path):
+    """--max-steps 3 of a 7-step epoch is a mid-epoch checkpoint: the resumed run trains
+    the epoch's last 4 steps (its last 16 images), then the next epoch; before, the
+    checkpoint said epoch 1 was done and the resume skipped them."""
+    common = dict(
+        data=str(image_folder), image_size=16, batch_size=4, workers=0, epochs=2,
+        output_dir=str(tmp_path / "runs"), name="cut", val_fraction=0.25,
+    )  # fmt: skip
+    train(TrainConfig(**common, max_steps=3))  # 27 training images: 7 steps an epoch
+    last = tmp_path / "runs" / "cut" / "checkpoints" / "last.pt"
+    cut = checkpoint.load(last).progress
+    assert (cut.epoch, cut.step_in_epoch, cut.consumed, cut.global_step) == (0, 3, 12, 3)
+    train(TrainConfig(**common, resume="auto"))
+    done = checkpoint.load(last).progress
+    assert (done.epoch, done.global_step) == (2, 3 + 4 + 7)
+    rows = (tmp_path / "runs" / "cut" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["epoch"] for r in rows] == [1, 2]  # the cut epoch's row replaced
+
+
 def test_a_vits_embeddings_and_class_token_join_the_norms_without_decay():
     model = create_model("vit_b_16", 3, 32)
     cfg = TrainConfig(model="vit_b_16", norm_weight_decay=0.0)

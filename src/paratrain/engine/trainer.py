@@ -33,7 +33,7 @@ from paratrain.distributed import comm
 from paratrain.distributed.env import DistEnv
 from paratrain.distributed.runtime import Runtime, seed_everything
 from paratrain.engine import precision as precision_module
-from paratrain.engine.budget import Budget, choose_recipe, concrete, recipe_words
+from paratrain.engine.budget import Budget, choose_recipe, concrete, duration, recipe_words
 from paratrain.engine.checkpoint import Checkpointer, resume
 from paratrain.engine.control import StepControl
 from paratrain.engine.describe import data_words, run_facts
@@ -85,6 +85,9 @@ class Run:
     stepper: Stepper
     first_step: float | None = None  # seconds from the command's start to its first step
     budget: Budget | None = None  # --budget: the plan that sizes the schedule
+    # the epoch just trained stopped before its end (--max-steps, --budget): its
+    # checkpoint is a mid-epoch one, so a resumed run trains the rest of it
+    cut_short: bool = False
 
 
 def train_worker(cfg: TrainConfig, env: DistEnv) -> dict:
@@ -116,7 +119,7 @@ def _train(cfg: TrainConfig, runtime: Runtime) -> dict:
     cfg = run.cfg  # with --budget-recipe low-res, its sizes
     if run.budget is not None:  # resumed with its budget spent, or planned on from here
         if run.budget.left() <= 0:
-            return nothing_left(cfg, run.run_dir, runtime, run.progress.epoch)
+            return budget_spent(run)
         plan(run, max(run.schedule.epochs, run.progress.epoch + 1.0))
     elif run.progress.epoch >= cfg.epochs:  # resumed from the end: nothing is rewritten
         return nothing_left(cfg, run.run_dir, runtime, run.progress.epoch)
@@ -144,6 +147,24 @@ def _train(cfg: TrainConfig, runtime: Runtime) -> dict:
     comm.barrier()
     seconds = time.perf_counter() - started
     return summarise(cfg, run.run_dir, run.metrics, runtime, seconds, run.progress.skipped_steps)
+
+
+def budget_spent(run: Run) -> dict:
+    """--budget with nothing left of it: a run that had not trained a step is refused
+    (the start-up took the budget); a resumed one is told how to extend it."""
+    budget, cfg = run.budget, run.cfg
+    assert budget is not None
+    spent = duration(budget.elapsed())
+    if run.progress.global_step == 0:
+        raise AgreedUserError(
+            f"--budget {cfg.budget} was used up before the first step (start-up: {spent}): "
+            "give a budget longer than the start-up"
+        )
+    told = (
+        f"{run.run_dir}: --budget {cfg.budget} is spent ({spent} trained, the rest kept for "
+        f"saving and ending); a longer --budget trains on"
+    )
+    return nothing_left(cfg, run.run_dir, run.runtime, run.progress.epoch, told)
 
 
 def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
@@ -320,6 +341,7 @@ def train_epoch(run: Run, epoch: int) -> float:
                 break
         if cfg.max_steps and progress.global_step >= cfg.max_steps:
             break
+    run.cut_short = remaining > 0
     if bar is not None:
         bar.close()
     return time.perf_counter() - start
@@ -401,7 +423,8 @@ def record_epoch(
         row.update(val_loss_ema=averaged.loss, val_top1_ema=averaged.top1)
     score = result.score(run.cfg.monitor)  # what picks best.pt (--monitor)
     progress.best_top1 = max(progress.best_top1, score)
-    progress.start_epoch(epoch + 1)
+    if not run.cut_short:  # else saved mid-epoch: a resumed run trains the rest of it
+        progress.start_epoch(epoch + 1)
     run.saver.save(progress, val_top1=score)
     if run.runtime.is_main:
         run.metrics.write(row)

@@ -127,14 +127,18 @@ def summarise(
     return summary
 
 
-def nothing_left(cfg: TrainConfig, run_dir: Path, runtime: Runtime, reached: int) -> dict:
-    """A resumed run whose checkpoint has already reached ``cfg.epochs``: said, and the
-    run's files left as they were (its summary returned, not rewritten)."""
+def nothing_left(
+    cfg: TrainConfig, run_dir: Path, runtime: Runtime, reached: int, told: str | None = None
+) -> dict:
+    """A resumed run with nothing left to train (its checkpoint reached ``cfg.epochs``,
+    or what ``told`` says): said, and the run's files left as they were (its summary
+    returned, not rewritten)."""
     summary: dict | None = None
     if runtime.is_main:
         get_logger().info(
-            f"{run_dir}: {reached} of {cfg.epochs} epoch(s) already trained, nothing left to "
-            f"train (--epochs more than {reached} trains on)"
+            told
+            or f"{run_dir}: {reached} of {cfg.epochs} epoch(s) already trained, nothing left "
+            f"to train (--epochs more than {reached} trains on)"
         )
         path = run_dir / "summary.json"
         summary = json.loads(path.read_text()) if path.is_file() else {"run_dir": str(run_dir)}
