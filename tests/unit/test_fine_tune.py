@@ -75,6 +75,46 @@ def test_freezing_needs_a_head_and_is_not_freeze_backbone():
         resolve_train({"data": "d", "freeze_epochs": 2, "freeze_backbone": True})
 
 
+def test_a_backbone_that_would_never_thaw_is_refused_or_said_under_a_budget(
+    image_folder, tmp_path, monkeypatch, capsys
+):
+    """--freeze-epochs 3 --epochs 1 trained a frozen backbone throughout, hinted at in
+    the start line only: now one line refusing it. --budget plans the epochs itself, so
+    there a plan that ends before the thaw is said once, when it is made."""
+    with pytest.raises(UserError) as never:
+        resolve_train({"data": "d", "freeze_epochs": 3, "epochs": 1})
+    assert str(never.value).startswith(
+        "--freeze-epochs 3 with --epochs 1: the backbone would stay frozen for the whole run"
+    )
+    with pytest.raises(UserError, match="would stay frozen"):
+        resolve_train({"data": "d", "freeze_epochs": 2, "epochs": 2})
+    assert resolve_train({"data": "d", "freeze_epochs": 2, "epochs": 3}).freeze_epochs == 2
+    from paratrain import TrainConfig, train
+    from paratrain.engine import budget
+
+    monkeypatch.setattr(budget.Budget, "after_step", _plans_two_epochs)
+    monkeypatch.setattr(budget.Budget, "after_epoch", lambda self, done, cost: 2.0)
+    cfg = TrainConfig(
+        data=str(image_folder), image_size=16, batch_size=8, workers=0, freeze_epochs=3,
+        budget="1m", budget_recipe="fixed", output_dir=str(tmp_path / "r"), cache="off",
+    )  # fmt: skip
+    summary = train(cfg.validate())
+    assert summary is not None and summary["epochs"] == 2
+    said = [x for x in capsys.readouterr().out.splitlines() if "stays frozen" in x]
+    assert said == [
+        "--budget fits 2.0 epoch(s), not more than --freeze-epochs 3: the backbone stays "
+        "frozen for the whole run"
+    ]
+
+
+def _plans_two_epochs(self, done: float) -> float | None:
+    """A budget whose plan, made at the first step, is two epochs."""
+    if self.planned is None:
+        self.planned = 2.0
+        return 2.0
+    return None
+
+
 RESNET_BLOCKS = [f"layer{s}.{b}" for s in range(1, 5) for b in range(2)]
 
 

@@ -785,6 +785,12 @@ class TrainConfig(Options):
                 "--freeze-epochs thaws the backbone after K epochs and --freeze-backbone "
                 "never does; give one"
             )
+        if self.freeze_epochs >= self.epochs and not self.budget:  # --budget plans epochs
+            raise UserError(
+                f"--freeze-epochs {self.freeze_epochs} with --epochs {self.epochs}: the "
+                "backbone would stay frozen for the whole run; give more --epochs, fewer "
+                "--freeze-epochs, or --freeze-backbone to train the head alone"
+            )
         if self.std and min(triple(self.std)) <= 0:
             raise UserError(f"--std {self.std}: every channel's deviation must be above 0")
         if self.val_resize is not None and self.val_resize < self.eval_crop:

@@ -88,6 +88,7 @@ class Run:
     # the epoch just trained stopped before its end (--max-steps, --budget): its
     # checkpoint is a mid-epoch one, so a resumed run trains the rest of it
     cut_short: bool = False
+    told_frozen: bool = False  # said that --budget's plan ends before --freeze-epochs
 
 
 def train_worker(cfg: TrainConfig, env: DistEnv) -> dict:
@@ -348,7 +349,16 @@ def train_epoch(run: Run, epoch: int) -> float:
 
 
 def plan(run: Run, epochs: float) -> None:
-    """The schedule ends at ``epochs`` (a fraction allowed): --budget's plan."""
+    """The schedule ends at ``epochs`` (a fraction allowed): --budget's plan. A plan
+    that ends before --freeze-epochs thaws the backbone says so, once."""
+    freezing = run.cfg.freeze_epochs
+    if freezing and epochs <= freezing and run.budget is not None and run.budget.planned:
+        if not run.told_frozen:
+            get_logger().info(
+                f"--budget fits {epochs:.1f} epoch(s), not more than --freeze-epochs "
+                f"{freezing}: the backbone stays frozen for the whole run"
+            )
+        run.told_frozen = True
     run.schedule = dataclasses.replace(run.schedule, epochs=epochs)
     run.saver.schedule = run.schedule
     whole = max(math.ceil(epochs - 1e-9), 1)
