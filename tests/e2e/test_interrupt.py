@@ -124,8 +124,14 @@ def test_ctrl_c_is_told_once_and_the_run_resumes_from_what_it_kept(tmp_path, npr
 
 @pytest.mark.parametrize(
     ("sig", "code", "nproc"),
-    [(signal.SIGTERM, 143, 1), (signal.SIGTERM, 143, 2), (signal.SIGINT, 130, 2)],
-    ids=["sigterm-1", "sigterm-2", "sigint-2"],
+    [
+        (signal.SIGTERM, 143, 1),
+        (signal.SIGTERM, 143, 2),
+        (signal.SIGUSR1, 138, 1),
+        (signal.SIGUSR1, 138, 2),  # the launcher died of it at once, the step was lost
+        (signal.SIGINT, 130, 2),
+    ],
+    ids=["sigterm-1", "sigterm-2", "sigusr1-1", "sigusr1-2", "sigint-2"],
 )
 def test_a_signal_to_the_whole_group_reaches_loader_workers_and_still_saves(
     tmp_path, sig, code, nproc
@@ -146,7 +152,31 @@ def test_a_signal_to_the_whole_group_reaches_loader_workers_and_still_saves(
     assert run.returncode == code, err
     assert "Traceback" not in err and "DataLoader worker" not in err, err
     after = checkpoint.load(saved).progress
-    if sig == signal.SIGTERM:  # a preemption: saved at the step it reached
+    if sig != signal.SIGINT:  # a preemption: saved at the step it reached
         assert after.global_step > first and after.step_in_epoch > 0, (first, after)
     else:  # Ctrl-C: what was saved is kept, and said (test above)
         assert after.global_step >= first and "interrupted; its last checkpoint" in err
+
+
+def test_a_rank_told_to_stop_twice_saves_once(tmp_path):
+    """SIGUSR1 to the whole group, then the launcher killed outright: each worker is
+    told by the signal and again by its parent's death (SIGTERM, PR_SET_PDEATHSIG). It
+    used to end at the second without saving; now both wait for the one save."""
+    data = make_image_folder(tmp_path / "data", classes=3, per_class=12)
+    run, saved = _train_in_its_own_group(
+        tmp_path, data, "twice", "--cache", "off", "--workers", "0", "--nproc", "2",
+        "--save-every-steps", "1000",
+    )  # fmt: skip
+    first = checkpoint.load(saved).progress.global_step
+    time.sleep(1.5)  # inside a later epoch
+    os.killpg(run.pid, signal.SIGUSR1)
+    time.sleep(0.05)
+    os.kill(run.pid, signal.SIGKILL)  # the launcher, not its workers
+    run.output(timeout=60)
+    deadline = time.monotonic() + 60  # the workers outlive the launcher while they save
+    while time.monotonic() < deadline:
+        if subprocess.run(["pgrep", "-f", "--", "--name twice"], capture_output=True).returncode:
+            break
+        time.sleep(0.2)
+    after = checkpoint.load(saved).progress
+    assert after.global_step > first and after.step_in_epoch > 0, (first, after)

@@ -284,9 +284,9 @@ class ImageSamples(Dataset):
 
 
 def leave_stop_signals_to_the_rank(_worker_id: int = 0) -> None:
-    """A loader worker's worker_init_fn: SIGTERM and SIGINT ignored. A cluster's
-    preemption (scancel, timeout) and a terminal's Ctrl-C reach every process of the
-    group; the rank acts on them (a step checkpoint, then exit), and its workers must not
-    die first and turn that into a DataLoader error."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """A loader worker's worker_init_fn: SIGTERM, SIGUSR1 and SIGINT ignored. A
+    cluster's preemption (scancel, timeout, --signal=USR1) and a terminal's Ctrl-C reach
+    every process of the group; the rank acts on them (a step checkpoint, then exit),
+    and its workers must not die first and turn that into a DataLoader error."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)

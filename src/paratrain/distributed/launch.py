@@ -31,8 +31,12 @@ CHECKED = "PARATRAIN_CHECKED"
 # launcher then reports the rank that failed first for a reason of its own.
 PEER_LOST = 10
 
-# what torch's launcher handles while it watches its workers (TORCHELASTIC_SIGNALS_TO_HANDLE)
-LAUNCHER_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+# what torch's launcher handles while it watches its workers (TORCHELASTIC_SIGNALS_TO_HANDLE):
+# its own four, and SIGUSR1, a cluster's preemption notice (srun --signal=USR1, scancel
+# --signal=USR1), whose default action would end the launcher at once and leave its
+# workers to a parent's death. Handled, each is passed on to the workers, which save.
+LAUNCHER_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
+HANDLED = "TORCHELASTIC_SIGNALS_TO_HANDLE"  # where torch's launcher puts them, and leaves them
 _PEER_SIGNS = (
     "Connection closed by peer",
     "Connection reset by peer",
@@ -100,6 +104,7 @@ def launch(
             f"--nproc-per-node={nproc}",
             f"--max-restarts={max_restarts}",
             "--monitor-interval=0.5",
+            f"--signals-to-handle={','.join(LAUNCHER_SIGNALS)}",
             "--module",
             "paratrain",
         ]
@@ -135,10 +140,11 @@ def launcher_scope(threads: int) -> Iterator[None]:
     """While torch's launcher runs: ``OMP_NUM_THREADS`` for its workers, unless set
     (torchrun would otherwise pin each to one thread and print a notice about it). After
     it, this process as it was: its environment, and the signal handlers that the
-    launcher installs for SIGTERM, SIGINT, SIGHUP and SIGQUIT and leaves (a Python session
+    launcher installs for SIGTERM, SIGINT, SIGHUP, SIGQUIT and SIGUSR1 (which it is told
+    to handle too: ``LAUNCHER_SIGNALS``) and leaves (a Python session
     that launched a run would otherwise answer a later Ctrl-C with the launcher's
     SignalException rather than KeyboardInterrupt)."""
-    omp = os.environ.get("OMP_NUM_THREADS")
+    omp, handled = os.environ.get("OMP_NUM_THREADS"), os.environ.get(HANDLED)
     os.environ["OMP_NUM_THREADS"] = omp or str(threads)
     main = threading.current_thread() is threading.main_thread()  # signals are its alone
     signals = [getattr(signal, name) for name in LAUNCHER_SIGNALS if hasattr(signal, name)]
@@ -148,6 +154,10 @@ def launcher_scope(threads: int) -> Iterator[None]:
     finally:
         if omp is None:
             os.environ.pop("OMP_NUM_THREADS", None)
+        if handled is None:
+            os.environ.pop(HANDLED, None)
+        else:
+            os.environ[HANDLED] = handled
         for sig, handler in before.items():
             if handler is not None:  # None: set outside Python, cannot be put back
                 signal.signal(sig, handler)

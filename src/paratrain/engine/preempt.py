@@ -4,7 +4,10 @@ The handler only records the signal; the loop all-reduces the request with its o
 per-step flags, so every rank stops at the same step. If a rank cannot reach a step
 boundary within ``grace`` seconds (stuck in a collective, say), a watchdog ends it, so
 the launcher never has to wait for it; once the step boundary is reached, saving may take
-as long as it needs. A second signal ends the process at once.
+as long as it needs. A rank is often told more than once: a cluster signals every
+process of the job, the launcher passes the signal on to its workers, and a launcher
+that dies sends them SIGTERM (PR_SET_PDEATHSIG). Each later signal waits for the save
+the first one asked for; the grace period still bounds the wait for a step boundary.
 """
 
 from __future__ import annotations
@@ -95,8 +98,8 @@ class PreemptionGuard:
         self.uninstall()
 
     def _handle(self, signum: int, frame) -> None:
-        if self.signum:  # a second signal: do not wait any longer
-            os._exit(128 + signum)
+        if self.signum:  # told again (the group's signal, then the launcher's): one save
+            return
         self.signum = signum
         self._watchdog = threading.Timer(self.grace_s, os._exit, args=(128 + signum,))
         self._watchdog.daemon = True

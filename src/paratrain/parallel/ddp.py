@@ -77,7 +77,7 @@ def data_parallel(
         # BatchNorm statistics are agreed before evaluating (ModelParts.agree_buffers),
         # not broadcast at each forward: rank 0's evolve the same either way, and an
         # evaluation forward must not be a collective (ranks' shards differ in batches)
-        broadcast_buffers=False,
+        forward_sync_buffers=False,
         bucket_cap_mb=cfg.bucket_cap_mb,
         static_graph=cfg.grad_accum == 1 and not staged,
         find_unused_parameters=staged,
