@@ -290,3 +290,18 @@ def test_a_shard_whose_count_differs_from_its_index_is_a_bad_shard(tmp_path):
     (shards / "broken.json").write_text("{not json")
     with pytest.raises(UserError, match="broken.json is not a readable shard index"):
         open_source(f"wds:{shards}/broken.json", tmp_path / "c")
+
+
+def test_archive_debris_is_ignored_like_hidden_files(tmp_path):
+    """A folder unzipped on a Mac holds __MACOSX/ (resource forks named ._x.jpg): it is
+    no empty class and none of its files is an image, in training and in predict."""
+    from paratrain.engine.predict import collect_images
+
+    data = make_image_folder(tmp_path / "d", classes=2, per_class=5)
+    for junk in ("__MACOSX/class_0", "__MACOSX", "class_0/__MACOSX", ".Trash"):
+        (data / junk).mkdir(parents=True, exist_ok=True)
+        (data / junk / "._img_000.jpg").write_bytes(b"\x00\x05\x16\x07 not an image")
+    split = build_split(data, 0.2)
+    assert split.classes == ["class_0", "class_1"]
+    assert len(split.train) + len(split.val) == 10 and split.missing == []
+    assert len(collect_images([str(data)])) == 10

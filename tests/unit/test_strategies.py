@@ -90,3 +90,17 @@ def test_a_strategy_refuses_what_it_does_not_take_in_one_line():
         get("hsdp").layout(TrainConfig(), 6, per_node=4)
     with pytest.raises(UserError, match="start 2 or more"):
         get("hsdp").check_settings(TrainConfig(strategy="hsdp"), 1)
+
+
+@pytest.mark.parametrize("name", ["fsdp", "hsdp"])
+def test_a_sharded_strategy_in_one_process_names_the_one_process_way(name):
+    """--strategy fsdp --nproc 1 is refused, and says what runs in one process; on a
+    resume, that ddp takes the sharded checkpoint (resharded on load)."""
+    with pytest.raises(UserError) as fresh:
+        get(name).check_settings(TrainConfig(strategy=name), 1)
+    assert str(fresh.value).endswith("or in one process use --strategy ddp")
+    with pytest.raises(UserError) as resumed:
+        get(name).check_settings(TrainConfig(strategy=name, resume="runs/x"), 1)
+    assert str(resumed.value).endswith(
+        "or in one process use --strategy ddp (it resumes this run's checkpoint, resharded)"
+    )

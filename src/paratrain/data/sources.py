@@ -47,6 +47,16 @@ def is_image(name: str) -> bool:
     return name.lower().endswith(IMAGE_EXTENSIONS)
 
 
+# what archivers and file managers leave beside the data: macOS's zip resource forks
+# (__MACOSX/, whose ._name.jpg files are no images), and folders of their own
+JUNK_FOLDERS = frozenset({"__MACOSX", "__pycache__", "@eaDir", "$RECYCLE.BIN"})
+
+
+def is_junk(name: str) -> bool:
+    """A hidden file or folder, or an archiver's debris: never a class or an image."""
+    return name.startswith(".") or name in JUNK_FOLDERS
+
+
 @dataclass
 class Listing:
     """Every entry of a source, as listed once."""
@@ -189,7 +199,7 @@ def _scan_classes(root: Path, found: _Found) -> dict[str, _Images]:
     if not root.is_dir():
         raise UserError(f"data path is not a directory: {root}")
     entries = sorted(os.scandir(root), key=lambda e: e.name)
-    class_dirs = [e for e in entries if e.is_dir() and not e.name.startswith(".")]
+    class_dirs = [e for e in entries if e.is_dir() and not is_junk(e.name)]
     if not class_dirs:
         if not entries:
             raise UserError(f"data directory is empty: {root}")
@@ -202,7 +212,7 @@ def _scan_classes(root: Path, found: _Found) -> dict[str, _Images]:
         while folders:  # every folder below, links followed (os.walk's followlinks)
             with os.scandir(folders.pop()) as listed:
                 for item in listed:
-                    if item.name.startswith("."):
+                    if is_junk(item.name):
                         continue
                     if item.is_dir():
                         folders.append(item.path)

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from paratrain.config import PredictOptions, TrainConfig
 from paratrain.data.folder import read_rgb
-from paratrain.data.sources import IMAGE_EXTENSIONS
+from paratrain.data.sources import is_image, is_junk
 from paratrain.data.transforms import eval_transform
 from paratrain.distributed.env import DistEnv
 from paratrain.distributed.runtime import choose_device
@@ -31,12 +31,11 @@ def collect_images(inputs: Sequence[str]) -> list[str]:
     for item in inputs:
         path = Path(item)
         if path.is_dir():
-            found += sorted(
-                os.path.join(d, f)
-                for d, _, files in os.walk(path)
-                for f in files
-                if f.lower().endswith(IMAGE_EXTENSIONS) and not f.startswith(".")
-            )
+            inside: list[str] = []
+            for folder, dirs, files in os.walk(path):
+                dirs[:] = [d for d in dirs if not is_junk(d)]  # __MACOSX/, hidden folders
+                inside += (os.path.join(folder, f) for f in files if is_image(f) and not is_junk(f))
+            found += sorted(inside)
         elif path.is_file():
             found.append(str(path))
         else:

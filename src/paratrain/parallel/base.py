@@ -111,6 +111,7 @@ class Strategy:
     one_process_hint: ClassVar[str] = ""  # what --nproc does instead, for the refusal
     min_world: ClassVar[int] = 1
     spreads: ClassVar[str] = "spreads the model across processes"  # why min_world
+    fewer_hint: ClassVar[str] = ""  # the way to run it below min_world, for the refusal
     min_devices: ClassVar[int] = 1  # the devices its layout needs (plan: 2 to partition)
     sharded_checkpoint: ClassVar[bool] = False  # each rank writes its shards (DCP)
     speed_order: ClassVar[int] = 100  # --strategy auto takes the lowest that fits
@@ -138,8 +139,16 @@ class Strategy:
         if world is not None and world < self.min_world:
             raise UserError(
                 f"--strategy {self.name} {self.spreads}; start {self.min_world} or more "
-                "(--nproc N, torchrun or srun)"
+                f"(--nproc N, torchrun or srun){self._fewer(cfg)}"
             )
+
+    def _fewer(self, cfg: TrainConfig) -> str:
+        """The way to run below ``min_world``, where there is one (and for a resume,
+        that it takes this run's checkpoint)."""
+        if not self.fewer_hint:
+            return ""
+        resumed = " (it resumes this run's checkpoint, resharded)" if cfg.resume else ""
+        return f", or {self.fewer_hint}{resumed}"
 
     def check_own(self, cfg: TrainConfig, world: int | None) -> None:
         """The rules of the settings only this strategy reads (--stages, --devices ...)."""

@@ -178,6 +178,8 @@ class FSDP(Strategy):
     )
     min_world = 2
     spreads = "shards the model across processes"
+    # its checkpoint is read resharded by any strategy: ddp trains on in one process
+    fewer_hint = "in one process use --strategy ddp"
     min_devices = 2
     sharded_checkpoint = True
     speed_order = 1
