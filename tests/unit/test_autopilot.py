@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import math
 from pathlib import Path
 
@@ -26,14 +27,52 @@ def test_nproc_follows_the_timings_it_measured_and_keeps_them(tmp_path):
 
     def fake(cfg, cores):
         calls.append(cores)
-        return {1: 100.0, cores: 180.0}
+        return {1: [100.0, 104.0], cores: [180.0, 176.0]}
 
     cfg = TrainConfig(nproc="auto", cache_dir=str(tmp_path), device="cpu")
-    first = autopilot.choose_nproc(cfg, measure=fake)
-    again = autopilot.choose_nproc(cfg, measure=fake)
+    first = autopilot.choose_nproc(cfg, measure=fake, load=lambda: 0.02)
+    again = autopilot.choose_nproc(cfg, measure=fake, load=lambda: 0.02)
     cores = calls[0]
     assert first.value == again.value == cores and len(calls) == 1  # measured once
-    assert "measured now" in first.why and "measured before" in again.why
+    assert "measured now in 2 alternating rounds, kept in" in first.why
+    assert "measured on this machine 20" in again.why  # the date it was measured
+    assert f"kept in {tmp_path / 'autopilot.json'}: delete it to measure again" in again.why
+
+
+@pytest.mark.parametrize(
+    ("load", "rounds", "why"),
+    [
+        (0.6, {1: [4.8, 5.0], 2: [180.0, 188.0]}, "the machine was busy (60% of its cores"),
+        (0.0, {1: [4.8, 430.0], 2: [250.0, 240.0]}, "1 process(es) measured 5 and 430 img/s"),
+        (0.0, {1: [4.8, 5.0], 2: [186.0, 188.0]}, "5 against 187 img/s is further apart than 2"),
+    ],
+    ids=["busy", "rounds-disagree", "implausible"],
+)
+def test_a_measurement_taken_under_load_or_out_of_line_is_not_kept(
+    tmp_path, monkeypatch, load, rounds, why
+):
+    """1 process at 4.8 images/s against 188 for 2 was measured on a busy machine and
+    kept for every later run; an unloaded rerun gave 430 against 250. Such a figure is
+    used for this run only, and said so; the next run measures again."""
+    monkeypatch.setattr(autopilot, "usable_cores", lambda: 2)
+    calls = []
+
+    def fake(cfg, cores):
+        calls.append(cores)
+        return rounds
+
+    cfg = TrainConfig(nproc="auto", cache_dir=str(tmp_path), device="cpu")
+    first = autopilot.choose_nproc(cfg, measure=fake, load=lambda: load)
+    assert f"not kept: {why}" in first.why, first.why
+    autopilot.choose_nproc(cfg, measure=fake, load=lambda: load)
+    assert len(calls) == 2  # nothing kept: measured again
+    # a kept figure far out of line (kept before these checks) is measured again too
+    (tmp_path / "autopilot.json").write_text(
+        json.dumps({autopilot._machine_key(cfg): {"1": 4.8, "2": 188.0}})
+    )
+    quiet = {1: [430.0, 425.0], 2: [250.0, 252.0]}
+    fresh = autopilot.choose_nproc(cfg, measure=lambda c, n: quiet, load=lambda: 0.0)
+    assert fresh.value == 1 and "measured now" in fresh.why
 
 
 def test_a_model_too_large_for_the_memory_gets_fsdp_or_pipeline():

@@ -6,8 +6,10 @@ with the reason it was made; the run's config.yaml records the values chosen, so
 `--config` on it reruns exactly.
 
 * processes: one per GPU; on a CPU alone, the layout measured faster here: one process
-  with every core against N processes sharing them (a few timed steps each), kept in the
-  cache folder by machine and model, so the next run does not measure again;
+  with every core against N processes sharing them (a few timed steps each, in
+  alternating rounds), kept in the cache folder by machine and model, so the next run
+  does not measure again, unless the machine was busy, the rounds disagree or the
+  layouts lie further apart than the cores allow (then it is measured again next time);
 * strategy: the fastest that fits the device memory by `paratrain plan`'s estimate;
 * batch: on CUDA the largest per-device batch that trains (doubling, then halving back
   after an out-of-memory, the model freed after each try), on a CPU the largest that the
@@ -25,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import platform
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -40,6 +43,7 @@ from paratrain.distributed.runtime import runs_on_cuda, usable_cores
 from paratrain.engine.probe import sync
 from paratrain.engine.step import Stepper, train_step
 from paratrain.errors import UserError
+from paratrain.files import write_atomic
 
 V = TypeVar("V", int, float, str)
 DEFAULT_BATCH = 16  # the batch assumed until --batch-size auto is decided
@@ -81,9 +85,15 @@ def _machine_key(cfg: TrainConfig) -> str:
     return f"{cpu}|{cores}|{cfg.model}|{cfg.train_size}|{cfg.batch_size}|{cfg.precision}"
 
 
-def measure_layouts(cfg: TrainConfig, cores: int) -> dict[int, float]:
+BUSY = 0.25  # of every core's time taken by other programs: a machine too busy to time
+ROUNDS = 2  # each layout timed this often, in alternating order (1, N, N, 1)
+
+
+def measure_layouts(cfg: TrainConfig, cores: int) -> dict[int, list[float]]:
     """Images/s of one process with every core, and of ``cores`` processes of one core
-    each: `paratrain bench`, a few steps, launched as --nproc launches its workers."""
+    each, ``ROUNDS`` times in alternating order (so that a load that comes or goes
+    weighs on both alike): `paratrain bench`, a few steps, launched as --nproc launches
+    its workers."""
     from paratrain.bench.scale import ScaleSettings, _launched
 
     batch = cfg.batch_size if cfg.batch_size != "auto" else DEFAULT_BATCH
@@ -96,16 +106,60 @@ def measure_layouts(cfg: TrainConfig, cores: int) -> dict[int, float]:
         lr=None if cfg.lr == "auto" else cfg.lr,
     )
     settings = ScaleSettings(steps=6, warmup=2)
-    return {
-        n: _launched(n, cores // n, step, settings, sweep=False)["bench"]["images_per_s"]
-        for n in sorted({1, cores})
-    }
+    layouts = sorted({1, cores})
+    found: dict[int, list[float]] = {n: [] for n in layouts}
+    for round_ in range(ROUNDS):
+        for n in layouts if round_ % 2 == 0 else reversed(layouts):
+            bench = _launched(n, cores // n, step, settings, sweep=False)["bench"]
+            found[n].append(bench["images_per_s"])
+    return found
+
+
+def busy_share(seconds: float = 0.5) -> float:
+    """The share of every core's time that other programs took over ``seconds`` (Linux's
+    /proc/stat; 0 where it cannot be read)."""
+    import time
+
+    def ticks() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return sum(fields), idle
+
+    try:
+        total, idle = ticks()
+        time.sleep(seconds)
+        total2, idle2 = ticks()
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return 1 - (idle2 - idle) / max(total2 - total, 1)
+
+
+def _why_not_kept(rounds: dict[int, list[float]], load: float, cores: int) -> str | None:
+    """Why a measurement is not to be trusted for later runs (None: it is)."""
+    if load > BUSY:
+        return f"the machine was busy ({load:.0%} of its cores taken by other programs)"
+    for n, rates in rounds.items():
+        if min(rates) <= 0 or max(rates) > 2 * min(rates):
+            return f"{n} process(es) measured {min(rates):.0f} and {max(rates):.0f} img/s"
+    return _implausible({n: statistics.median(v) for n, v in rounds.items()}, cores)
+
+
+def _implausible(timings: dict[int, float], cores: int) -> str | None:
+    """One layout far outside the other: N processes on N cores cannot be more than
+    about N times one process's speed, nor one process more than N times theirs."""
+    low, high = min(timings.values()), max(timings.values())
+    if low <= 0 or high > 2 * cores * low:
+        return f"{low:.0f} against {high:.0f} img/s is further apart than {cores} cores allow"
+    return None
 
 
 def choose_nproc(
-    cfg: TrainConfig, measure: Callable[[TrainConfig, int], dict] = measure_layouts
+    cfg: TrainConfig,
+    measure: Callable[[TrainConfig, int], dict] = measure_layouts,
+    load: Callable[[], float] = busy_share,
 ) -> Choice[int]:
-    """One process per GPU; on a CPU alone the layout measured faster (kept for next time)."""
+    """One process per GPU; on a CPU alone the layout measured faster, kept for the
+    next run where the measurement can be trusted (a quiet machine, rounds that agree)."""
     if runs_on_cuda(cfg.device):
         n = torch.cuda.device_count()
         return Choice("--nproc", n, f"one process per GPU ({n} GPU(s) here)")
@@ -115,21 +169,38 @@ def choose_nproc(
     store = Path(cfg.cache_dir or default_cache_dir()) / "autopilot.json"
     key = _machine_key(cfg)
     known = json.loads(store.read_text()) if store.is_file() else {}
-    timings = {int(n): v for n, v in known.get(key, {}).items()}
-    measured = "measured before on this machine"
-    if len(timings) < 2:
-        timings = measure(cfg, cores)
-        measured = "measured now (kept for the next run)"
-        try:
-            store.parent.mkdir(parents=True, exist_ok=True)
-            store.write_text(json.dumps({**known, key: timings}, indent=1))
-        except OSError:
-            measured = "measured now"
+    kept = {int(n): float(v) for n, v in known.get(key, {}).items() if n.isdigit()}
+    if len(kept) >= 2 and _implausible(kept, cores) is None:
+        timings = kept
+        when = known[key].get("when", "earlier")
+        measured = f"measured on this machine {when}, kept in {store}: delete it to measure again"
+    else:
+        busy = load()
+        rounds = measure(cfg, cores)
+        timings = {n: statistics.median(v) for n, v in rounds.items()}
+        distrust = _why_not_kept(rounds, busy, cores)
+        measured = f"measured now in {ROUNDS} alternating rounds"
+        if distrust is not None:
+            measured += f", not kept: {distrust}"
+        else:
+            entry = {**{str(n): v for n, v in timings.items()}, "when": _today()}
+            try:
+                store.parent.mkdir(parents=True, exist_ok=True)
+                write_atomic(store, json.dumps({**known, key: entry}, indent=1).encode())
+                measured += f", kept in {store} for the next run"
+            except OSError:
+                pass
     n = decide_nproc(timings)
     rates = ", ".join(
         f"{k} x {cores // k} thread(s): {v:.0f} img/s" for k, v in sorted(timings.items())
     )
     return Choice("--nproc", n, f"{rates} ({measured})")
+
+
+def _today() -> str:
+    import datetime
+
+    return datetime.date.today().isoformat()
 
 
 # ------------------------------------------------------------------ strategy
