@@ -301,21 +301,32 @@ def _guarded(call: Callable[[], int]) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except Exception as exc:
-        from paratrain.distributed.launch import PEER_LOST, is_peer_loss
+        from paratrain.errors import DiskFull, is_disk_full
 
-        if is_peer_loss(exc):  # a consequence of another rank's failure, not a cause
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            print(
-                f"paratrain: error: {_where()}lost contact with another rank: {first}",
-                file=sys.stderr,
-            )
-            return PEER_LOST
-        # not the user's doing: keep the traceback, and say which rank it came from
-        import traceback
+        if not is_disk_full(exc):  # a full disk at a write no caller named: still one line
+            return _unexpected(exc)
+        named = getattr(exc, "filename", None)
+        _report(str(DiskFull(named)) if named else f"no space left on a disk: {exc}")
+        return DiskFull.exit_code
 
-        traceback.print_exc()
-        print(f"paratrain: error: {_where()}{type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+
+def _unexpected(exc: Exception) -> int:
+    """A lost peer told as a consequence; anything else with its traceback and rank."""
+    from paratrain.distributed.launch import PEER_LOST, is_peer_loss
+
+    if is_peer_loss(exc):  # a consequence of another rank's failure, not a cause
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(
+            f"paratrain: error: {_where()}lost contact with another rank: {first}",
+            file=sys.stderr,
+        )
+        return PEER_LOST
+    # not the user's doing: keep the traceback, and say which rank it came from
+    import traceback
+
+    traceback.print_exc()
+    print(f"paratrain: error: {_where()}{type(exc).__name__}: {exc}", file=sys.stderr)
+    return 1
 
 
 def _where() -> str:

@@ -6,6 +6,7 @@ import os
 import shutil
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -217,3 +218,56 @@ def test_validation_reads_a_packed_cache_never(tmp_path):
         )
         loader = validation_loader(split.val, cfg, 4, 0, 0, 1, cache)
         assert isinstance(loader.dataset, CachedImages) is cached, kind  # JPEG is lossy
+
+
+def _builds_left(base) -> list[str]:
+    return sorted(p.name for p in base.rglob(".*.tmp-*"))
+
+
+@pytest.mark.parametrize("kind", ["raw", "packed"])
+def test_an_interrupted_build_removes_its_own_temporary_folder(tmp_path, monkeypatch, kind):
+    """Ctrl-C during a build left its temporary folder until a later build removed it;
+    now the interrupted process removes it and lets the lock go."""
+    from paratrain.data import cache as cache_module
+
+    split = build_split(make_image_folder(tmp_path / "d", classes=2, per_class=6), 0.2)
+    base = tmp_path / "cache"
+    real = cache_module._Decode.__getitem__
+
+    def interrupted(self, k):  # Ctrl-C once the build has written its first chunk
+        real(self, k)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cache_module._Decode, "__getitem__", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(split.train, 32, kind, 1.0, str(base), workers=0)
+    assert _builds_left(base) == [] and cache_module._held_locks == {}
+    monkeypatch.setattr(cache_module._Decode, "__getitem__", real)
+    built = prepare(split.train, 32, kind, 1.0, str(base), workers=0)  # not blocked
+    assert built is not None and built.kind == kind
+
+
+def test_a_disk_that_fills_during_the_build_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    """Another program fills the disk while the packed cache is written: one line
+    naming the build's folder, the space it planned and what is free, and no
+    half-built folder left (it was an OSError traceback and a folder left behind)."""
+    import errno
+
+    from paratrain.data import cache as cache_module
+    from paratrain.errors import AgreedUserError
+
+    split = build_split(make_image_folder(tmp_path / "d", classes=2, per_class=6), 0.2)
+    base = tmp_path / "cache"
+
+    def full(self, k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cache_module._Decode, "__getitem__", full)
+    with pytest.raises(AgreedUserError) as told:
+        prepare(split.train, 32, "packed", 1.0, str(base), workers=0)
+    message = str(told.value)
+    assert message.startswith(f"no space left on the disk of {base}/decoded/.")
+    assert ": writing it needs about 0." in message and " MB," in message
+    assert "free there; free some space, or write elsewhere" in message
+    assert "\n" not in message
+    assert _builds_left(base) == [] and cache_module._held_locks == {}

@@ -67,7 +67,7 @@ from paratrain.data.transforms import (
 )
 from paratrain.distributed import comm
 from paratrain.distributed.env import DistEnv
-from paratrain.errors import AgreedUserError
+from paratrain.errors import AgreedUserError, DiskFull, is_disk_full, told_if_full
 from paratrain.files import fsync, swap_in, try_lock
 from paratrain.log import get_logger
 
@@ -81,6 +81,7 @@ MANIFEST = "manifest.json"  # written last: a cache without a valid one is not a
 BLOCK = 64 * 2**20  # bytes a checksum covers
 SIZING_SAMPLE = 2000  # headers read to estimate a large data set's decoded size
 _held_locks: dict[str, BaseFileLock] = {}  # cache key -> its build lock, while building
+_planned_bytes: dict[str, int] = {}  # a build's temporary folder -> the space it planned
 
 
 def kind_of(mode: str) -> str | None:
@@ -545,14 +546,57 @@ def prepare(
             if not any(a == "build" for a, _, _, _ in plans.values()):
                 time.sleep(1.0)  # another run builds it: look again in a moment
         building = action == "build"
-        bad = []
-        if building:
-            bad = _build(samples, short, kind, Path(directory), workers, env, interpolation)
-        bad = sorted({tuple(pair) for part in comm.all_gather_object(bad) for pair in part})
-        if building and env.local_rank == 0:
-            final = base / cache_key(samples, short, kind, interpolation)
-            _finish(Path(directory), final, kind, len(samples), short, bad)
+        owner = building and env.local_rank == 0  # made the temporary folder, holds the lock
+        try:
+            bad = _built(building, samples, short, kind, directory, workers, env, interpolation)
+            if owner:
+                final = base / cache_key(samples, short, kind, interpolation)
+                with told_if_full(directory, _planned_bytes.get(directory)):
+                    _finish(Path(directory), final, kind, len(samples), short, bad)
+        except BaseException:  # Ctrl-C, a full disk, a lost peer: no half-built folder left
+            if owner:
+                abandon(Path(directory))
+            raise
         comm.barrier()
+
+
+def _built(
+    building: bool,
+    samples: Samples,
+    short: int,
+    kind: str,
+    directory: str,
+    workers: int,
+    env: DistEnv,
+    interpolation: str,
+) -> list:
+    """Every builder's share decoded (a rank that builds nothing joins with none): the
+    unreadable entries of all of them, or, where a builder's disk filled up, that one
+    line on every rank."""
+    bad: list = []
+    full = None
+    if building:
+        try:
+            bad = _build(samples, short, kind, Path(directory), workers, env, interpolation)
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            full = str(DiskFull(directory, _planned_bytes.get(directory)))
+    gathered = comm.all_gather_object((bad, full))
+    for _, told in gathered:
+        if told:
+            raise AgreedUserError(told)
+    return sorted({tuple(pair) for part, _ in gathered for pair in part})
+
+
+def abandon(tmp: Path) -> None:
+    """A build that will not finish: its temporary folder removed and its lock let go."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    _planned_bytes.pop(str(tmp), None)
+    key = tmp.name[1:].split(".tmp-")[0]
+    handle = _held_locks.pop(key, None)
+    if handle is not None:
+        handle.release()
 
 
 def remove_stale_builds(base: Path) -> list[Path]:
@@ -653,6 +697,7 @@ def _plan_node(
         handle.release()
         return refused, "", "", f"--cache {mode}: {lacking}" if refused == "error" else lacking
     _held_locks[key] = handle
+    _planned_bytes[str(tmp)] = plan.nbytes
     reason = plan.reason
     if problems.get(plan.kind):
         reason = f"it failed its check: {problems[plan.kind]}; building it again"

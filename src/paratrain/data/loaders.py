@@ -39,7 +39,7 @@ from paratrain.data.transforms import (
 )
 from paratrain.distributed import comm
 from paratrain.distributed.runtime import Runtime, threads_per_process
-from paratrain.errors import AgreedUserError
+from paratrain.errors import AgreedUserError, told_if_full
 from paratrain.log import get_logger
 
 
@@ -182,7 +182,8 @@ def _write_record(record: Path, split: DataSplit) -> None:
             ("versions", samples.versions),
         )
     }
-    np.savez(tmp, **arrays)
+    with told_if_full(record, sum(a.nbytes for a in arrays.values())):
+        np.savez(tmp, **arrays)
     os.replace(tmp, record)
 
 

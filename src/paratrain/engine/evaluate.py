@@ -210,8 +210,8 @@ def evaluate(
     predictions = None
     if detailed:
         indices = list(getattr(loader.sampler, "indices", range(len(predicted))))
-        mine = list(zip(indices, predicted, strict=True))
-        predictions = sorted(p for part in comm.all_gather_object(mine) for p in part)
+        pairs = list(zip(indices, predicted, strict=True))
+        predictions = sorted(p for part in comm.all_gather_object(pairs) for p in part)
     return EvalResult(
         loss=math.fsum(all_losses) / n,
         top1=int(counts[0]) / n,

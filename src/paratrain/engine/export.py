@@ -23,6 +23,7 @@ from paratrain.engine.predict import (
     load_for_inference,
     need_onnx,
 )
+from paratrain.errors import told_if_full
 from paratrain.models.registry import check_weights_fit
 
 
@@ -66,14 +67,17 @@ def export(
         "std": list(cfg.norm_std),
         "interpolation": cfg.interpolation,
     }
-    if fmt == "pt2":
-        _save_program(model, cfg.eval_crop, meta, target)
-    elif fmt == "onnx":
-        _save_onnx(model, cfg.eval_crop, meta, target)
-    else:
-        _save_safetensors(model, meta, target)
+    size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    with told_if_full(target, size):
+        if fmt == "pt2":
+            _save_program(model, cfg.eval_crop, meta, target)
+        elif fmt == "onnx":
+            _save_onnx(model, cfg.eval_crop, meta, target)
+        else:
+            _save_safetensors(model, meta, target)
     index = target.parent / "class_indices.json"
-    index.write_text(json.dumps({str(i): c for i, c in enumerate(classes)}, indent=2) + "\n")
+    with told_if_full(index):
+        index.write_text(json.dumps({str(i): c for i, c in enumerate(classes)}, indent=2) + "\n")
     return {"export": str(target), "class_indices": str(index)}
 
 

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from paratrain.errors import told_if_full
+
 COLUMNS = [
     "epoch",
     "lr",
@@ -49,10 +51,10 @@ class MetricsWriter:
 
     def write(self, row: dict[str, Any]) -> None:
         """Append one epoch's row to both files."""
-        with self.jsonl.open("a") as handle:
+        with told_if_full(self.jsonl), self.jsonl.open("a") as handle:
             handle.write(json.dumps(row) + "\n")
         new = not self.csv.exists()
-        with self.csv.open("a", newline="") as handle:
+        with told_if_full(self.csv), self.csv.open("a", newline="") as handle:
             writer = csv.DictWriter(handle, fieldnames=COLUMNS, extrasaction="ignore")
             if new:
                 writer.writeheader()
