@@ -145,3 +145,26 @@ def test_an_unknown_tracker_is_one_line(capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("paratrain: error: --logger") and "\n" not in err
     assert "tensorboard, mlflow, wandb or csv" in err
+
+
+def test_an_online_wandb_server_that_does_not_answer_is_found_before_the_launch(monkeypatch):
+    """W&B online (an API key, no WANDB_MODE) is reached within --tracker-timeout; offline
+    there is nothing to reach. MLflow over HTTP likewise; a file store never."""
+    import socket
+
+    from paratrain.report.loggers import unreachable
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_BASE_URL", dead)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", dead)
+    monkeypatch.setenv("no_proxy", "127.0.0.1")
+    found = unreachable(("wandb", "mlflow", "csv", "tensorboard"), 1.0)
+    assert sorted(found) == ["mlflow", "wandb"]
+    assert found["wandb"].startswith(f"{dead} did not answer within 1 s")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "file:///tmp/mlruns")
+    assert unreachable(("wandb", "mlflow"), 1.0) == {}

@@ -283,3 +283,17 @@ def test_validation_crop_and_resize_are_settable_and_the_cache_keeps_the_larger(
         )
     )
     assert summary["final"]["val_count"] == 4
+
+
+def test_recipes_lists_every_description_whole(capsys):
+    """`paratrain recipes` printed each recipe's first line, cut mid-sentence."""
+    from paratrain.cli import main
+
+    assert main(["recipes"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) >= 3
+    for line in lines:
+        name, _, description = line.partition(": ")
+        assert description.rstrip().endswith((".", ":", ")")), line  # a whole sentence
+    fine = next(line for line in lines if line.startswith("fine-tune: "))
+    assert "the backbone frozen for the first epoch" in fine and "Give the model" in fine

@@ -362,3 +362,22 @@ def test_a_broken_link_in_the_data_is_a_bad_image_on_every_path(
     err = capsys.readouterr().err
     assert "FileNotFoundError" not in err and "Traceback" not in err
     assert "gone.jpg" in err
+
+
+def test_the_curves_mark_whole_epochs_only(tmp_path, monkeypatch):
+    """Two epochs drew ticks at 1.5 and 2.5 on curves.png's x-axes; epochs are whole."""
+    from paratrain.report import plots
+
+    plt = plots._pyplot()
+    drawn = []
+    monkeypatch.setattr(plt, "close", lambda fig: drawn.append(fig))
+    rows = [
+        {"epoch": e, "train_loss": 1.0 / e, "val_loss": 1.2 / e, "val_top1": 0.3 * e, "lr": 0.1}
+        for e in (1, 2)
+    ]
+    plots.plot_curves(rows, tmp_path / "curves.png")
+    assert (tmp_path / "curves.png").stat().st_size > 0
+    for ax in drawn[0].axes:
+        low, high = ax.get_xlim()
+        ticks = [t for t in ax.get_xticks() if low <= t <= high]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks

@@ -1068,11 +1068,18 @@ def shipped_recipes() -> list[str]:
 
 
 def recipe_summaries() -> dict[str, str]:
-    """Each shipped recipe's name and the first line of its file."""
-    return {
-        name: (RECIPES / f"{name}.yaml").read_text().splitlines()[0].lstrip("# ")
-        for name in shipped_recipes()
-    }
+    """Each shipped recipe's name and its description: the first paragraph of the
+    comment its file opens with, whole (one line, not the first line's words)."""
+    summaries = {}
+    for name in shipped_recipes():
+        words: list[str] = []
+        for line in (RECIPES / f"{name}.yaml").read_text().splitlines():
+            text = line.lstrip("#").strip()
+            if not line.startswith("#") or not text:
+                break  # the paragraph ends at a blank comment line or the settings
+            words.append(text)
+        summaries[name] = " ".join(words)
+    return summaries
 
 
 def read_recipe(name_or_path: str) -> dict[str, Any]:

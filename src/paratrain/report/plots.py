@@ -38,10 +38,17 @@ def plot_curves(rows: Sequence[dict[str, Any]], path: Path) -> None:
     axes[2].set_title("learning rate")
     for ax in axes:
         ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(_whole_epochs())  # epochs 1 and 2: no ticks at 1.5
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _whole_epochs():
+    from matplotlib.ticker import MaxNLocator
+
+    return MaxNLocator(integer=True)
 
 
 def plot_confusion(matrix: np.ndarray, classes: Sequence[str], path: Path) -> None:
