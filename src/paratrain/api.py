@@ -187,11 +187,24 @@ def runs(opts: RunsOptions, say: Say = print) -> list[dict]:
 
 
 def models(opts: ModelsOptions | None = None, say: Say = print) -> list[str]:
-    """Every model name --model accepts (torchvision's, or with --timm timm's)."""
-    from paratrain.models.registry import list_models
+    """The model names --model accepts (torchvision's, or with --timm timm's), by
+    family, with their parameter counts; --filter keeps those that match."""
+    from paratrain.models.registry import COUNT_AT_MOST, model_families
 
-    names = list_models(timm=bool(opts and opts.timm))
-    say("\n".join(names))
+    timm, pattern = bool(opts and opts.timm), opts.filter if opts else None
+    families = model_families(timm, pattern)
+    if not families:
+        raise UserError(f"no model matches --filter {pattern}")
+    lines, names = [], []
+    for family, members in families.items():
+        lines.append(f"{family}:")
+        for name, count in members:
+            size = f"{count / 1e6:8.1f}M" if count is not None else " " * 9
+            lines.append(f"  {name:<40}{size}")
+            names.append(name)
+    if timm and any(count is None for m in families.values() for _, count in m):
+        lines.append(f"(parameter counts for at most {COUNT_AT_MOST} models: --filter to narrow)")
+    say("\n".join(lines))
     return names
 
 

@@ -138,6 +138,28 @@ def test_models_lists_torchvision_classifiers(capsys):
     assert {"resnet18", "resnet34", "vit_b_16"} <= set(capsys.readouterr().out.split())
 
 
+def test_models_come_by_family_with_parameter_counts_and_a_filter(capsys):
+    """`paratrain models` printed 80 bare names; now each under its family with its
+    size, and --filter narrows the list (timm's are counted once narrowed)."""
+    from paratrain.cli import main
+
+    assert main(["models", "--filter", "resnet*"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "resnet:"
+    sizes = {line.split()[0]: line.split()[1] for line in lines[1:]}
+    assert sizes["resnet18"] == "11.7M" and sizes["resnet50"] == "25.6M"
+    assert "wide_resnet50_2" not in sizes  # the pattern is anchored; a plain word is a part
+    assert main(["models", "--filter", "vit"]) == 0  # a part of the name: maxvit_t too
+    families = [x for x in capsys.readouterr().out.splitlines() if not x.startswith(" ")]
+    assert families == ["maxvit:", "vision_transformer:"]
+    assert main(["models", "--timm", "--filter", "resnet18"]) == 0
+    timm_lines = capsys.readouterr().out.splitlines()
+    assert "resnet:" in timm_lines
+    assert any(line.split() == ["timm/resnet18", "11.7M"] for line in timm_lines)
+    assert main(["models", "--filter", "no-such-model"]) == 2
+    assert "no model matches --filter no-such-model" in capsys.readouterr().err
+
+
 def _bad_inputs(root: Path) -> dict[str, tuple[list[str], str]]:
     good = make_image_folder(root / "good", classes=2, per_class=4)
     (root / "empty").mkdir()

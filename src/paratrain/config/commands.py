@@ -151,6 +151,12 @@ class RunsOptions(Options):
 @dataclass
 class ModelsOptions(Options):
     timm: bool = setting(False, "list timm's models (timm/<name>) instead of torchvision's")
+    filter: str | None = setting(
+        None,
+        "only the names that match: a pattern with * and ? (resnet*), else a part of the "
+        "name (vit)",
+        metavar="PATTERN",
+    )
 
 
 @dataclass

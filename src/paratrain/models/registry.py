@@ -31,6 +31,63 @@ def list_models(timm: bool = False) -> list[str]:
     return sorted(torchvision.models.list_models(module=torchvision.models))
 
 
+COUNT_AT_MOST = 40  # timm models built (on the meta device) to count their parameters
+
+
+def model_families(timm: bool = False, pattern: str | None = None) -> dict[str, list[tuple]]:
+    """The model names by family (the module that builds them), each with its parameter
+    count where known: torchvision's from its weights' metadata; timm's by building
+    them on the meta device, when a pattern leaves at most ``COUNT_AT_MOST``."""
+    import fnmatch
+
+    names = list_models(timm)
+    if pattern:
+        wild = any(c in pattern for c in "*?[")
+        names = [
+            n for n in names
+            if (fnmatch.fnmatch(n.removeprefix(TIMM_PREFIX), pattern) if wild else pattern in n)
+        ]  # fmt: skip
+    count = _timm_count if timm else _torchvision_count
+    counted = not timm or len(names) <= COUNT_AT_MOST
+    family = _timm_families() if timm else {}
+    families: dict[str, list[tuple]] = {}
+    for name in names:
+        home = family.get(name) if timm else _torchvision_family(name)
+        families.setdefault(home or "other", []).append((name, count(name) if counted else None))
+    return dict(sorted(families.items()))
+
+
+def _torchvision_family(name: str) -> str:
+    return torchvision.models.get_model_builder(name).__module__.rsplit(".", 1)[-1]
+
+
+def _timm_families() -> dict[str, str]:
+    """timm/<name> -> the timm module that builds it."""
+    timm = timm_module()
+    return {
+        TIMM_PREFIX + name: module
+        for module in timm.list_modules()
+        for name in timm.list_models(module=module)
+    }
+
+
+def _torchvision_count(name: str) -> int | None:
+    try:
+        weights = torchvision.models.get_model_weights(name)
+        return int(next(iter(weights)).meta["num_params"])
+    except (ValueError, KeyError, StopIteration):
+        return None
+
+
+def _timm_count(name: str) -> int | None:
+    try:
+        with torch.device("meta"):
+            model = timm_module().create_model(name.removeprefix(TIMM_PREFIX), pretrained=False)
+        return sum(p.numel() for p in model.parameters())
+    except Exception:  # a model that cannot be built on the meta device: no count
+        return None
+
+
 def _create_timm(name: str, num_classes: int, image_size: int | None) -> nn.Module:
     """timm's model, randomly initialised: named weights are fetched and loaded by
     start_from (models/pretrained.py), as every other model's."""
