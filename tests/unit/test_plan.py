@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from paratrain.bench import memory
 from paratrain.errors import UserError
@@ -112,3 +113,22 @@ def test_plan_cli_prints_every_strategy_and_json(tmp_path):
     assert result["recommended"] == (fits[0]["strategy"] if fits else None)
     bad = subprocess.run([*args[:-4], "--device-memory", "lots"], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("paratrain: error") == 1
+
+
+def test_plan_without_a_device_memory_takes_this_machines(capsys, monkeypatch):
+    """`plan` stopped without --device-memory; it now plans for this machine (no GPU
+    here: 2 devices sharing the available memory) and says so."""
+    from paratrain.bench import autopilot
+    from paratrain.cli import main
+
+    monkeypatch.setattr(autopilot, "_available_memory", lambda: 6 * 2**30)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = ["plan", "--model", "resnet18", "--image-size", "32", "--batch-size", "8"]
+    assert main([*args, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["devices"], result["device_memory"]) == (2, 3 * 2**30)
+    assert main(args) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.endswith("2 device(s) of 3.0GiB (this machine's; --device-memory for another):")
+    assert main([*args, "--devices", "3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["device_memory"] == 2 * 2**30

@@ -185,11 +185,34 @@ def measure_training_peak(
     return peak_rss(train)
 
 
+def this_machine(opts: PlanOptions) -> PlanOptions:
+    """The options with what was not given taken from this machine: its GPUs and one
+    GPU's memory, or (no GPU) 2 devices sharing the available memory."""
+    from dataclasses import replace
+
+    from paratrain.bench.autopilot import _available_memory
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    devices = opts.devices or gpus or 2
+    memory = opts.device_memory
+    if memory is None:
+        each = (
+            torch.cuda.get_device_properties(0).total_memory
+            if gpus
+            else _available_memory() // devices
+        )
+        memory = f"{each / 2**30:.1f}GiB"
+    return replace(opts, devices=devices, device_memory=memory)
+
+
 def plan(cfg: TrainConfig, opts: PlanOptions) -> tuple[dict, str]:
     """`paratrain plan`: the estimate as a dict (--json) and as the table, for the model
     profiled once on the CPU."""
     from paratrain.models.registry import create_model
 
+    given = opts.device_memory is not None
+    opts = this_machine(opts)
+    assert opts.devices is not None
     limit = parse_size(opts.device_memory or "")
     torch.manual_seed(0)
     net = create_model(cfg.model, opts.classes, cfg.image_size)
@@ -214,9 +237,10 @@ def plan(cfg: TrainConfig, opts: PlanOptions) -> tuple[dict, str]:
         "recommended": choice,
         "why": why,
     }
+    mine = "" if given else " (this machine's; --device-memory for another)"
     heading = (
         f"{cfg.model} at {cfg.image_size}px, batch {cfg.batch} per device, "
-        f"{cfg.opt}, fp32, {opts.devices} device(s) of {opts.device_memory}:"
+        f"{cfg.opt}, fp32, {opts.devices} device(s) of {opts.device_memory}{mine}:"
     )
     return result, format_plan(rows, limit, opts.devices, choice, why, heading)
 
@@ -225,12 +249,14 @@ def check_plan(cfg: TrainConfig, opts: PlanOptions) -> None:
     """What `paratrain plan` can be found wrong about before profiling anything."""
     from paratrain.models.registry import check_input_size
 
-    parse_size(opts.device_memory or "")
+    if opts.device_memory is not None:
+        parse_size(opts.device_memory)
     check_input_size(cfg.model, cfg.image_size)
 
 
 def describe_plan(cfg: TrainConfig, opts: PlanOptions) -> str:
     """What `plan --dry-run` says would run."""
+    opts = this_machine(opts)
     return (
         f"would profile {cfg.model} at {cfg.image_size}px and plan batch {cfg.batch_size} "
         f"on {opts.devices} device(s) of {opts.device_memory}"

@@ -230,12 +230,18 @@ class PlanOptions(Options):
     device_memory: str | None = setting(
         None,
         "memory of one device, e.g. 16GB or 80GiB",
-        required=True,
         pattern=SIZE,
         metavar="SIZE",
         pattern_text="a size such as 16GB, 80GiB or 512MB",
+        default_text="this machine's: a GPU's memory, or the available memory over --devices",
     )
-    devices: int = setting(2, "devices to spread the model over", low=1, high=1024)
+    devices: int | None = setting(
+        None,
+        "devices to spread the model over",
+        low=1,
+        high=1024,
+        default_text="this machine's GPUs, else 2",
+    )
     classes: int = setting(1000, "outputs of the classifier head", low=1, high=1_000_000)
     json: bool = setting(False, "print the estimate as JSON")
     dry_run: bool = _dry_run()
