@@ -381,3 +381,28 @@ def test_the_curves_mark_whole_epochs_only(tmp_path, monkeypatch):
         low, high = ax.get_xlim()
         ticks = [t for t in ax.get_xticks() if low <= t <= high]
         assert ticks and all(float(t).is_integer() for t in ticks), ticks
+
+
+def test_log_lines_go_above_the_epoch_bar_not_into_it(capsys):
+    """On a terminal the bar (stderr) and the log (stdout) share a line: "first step ..."
+    was printed into the bar's line. While a bar is open the run's log lines go through
+    tqdm, which clears the bar, writes the line whole, and draws the bar again."""
+    import logging
+
+    from paratrain.log import get_logger, setup_logging
+    from paratrain.report.run_files import EpochBar
+
+    setup_logging()
+    logger = get_logger()
+    plain = list(logger.handlers)
+    bar = EpochBar(total=10, desc="epoch 1/1")
+    try:
+        routed = [type(h).__name__ for h in logger.handlers]
+        assert routed == ["_TqdmLoggingHandler"]
+        logger.info("first step 1.0 s after the command started")
+    finally:
+        bar.close()
+    bar.close()  # closing twice (tqdm does at exit) puts nothing back twice
+    assert logger.handlers == plain and isinstance(plain[0], logging.StreamHandler)
+    out = capsys.readouterr().out
+    assert "first step 1.0 s after the command started\n" in out

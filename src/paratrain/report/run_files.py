@@ -8,6 +8,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -84,11 +85,30 @@ def recipe_words(cfg: TrainConfig) -> str:
     return ", ".join(w for w in words if w)
 
 
+class EpochBar(tqdm):
+    """The epoch's bar. While it is drawn, the run's log lines (the first step, a
+    thawed backbone, a tracker's warning) are written above it through tqdm, not into
+    the bar's own line on the terminal they share."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        super().__init__(*args, **kwargs)
+        self._redirect: Any = logging_redirect_tqdm(loggers=[get_logger()], tqdm_class=tqdm)
+        self._redirect.__enter__()
+
+    def close(self) -> None:
+        super().close()
+        redirect, self._redirect = getattr(self, "_redirect", None), None
+        if redirect is not None:
+            redirect.__exit__(None, None, None)
+
+
 def progress_bar(runtime: Runtime, total: int, epoch: int, epochs: int) -> tqdm | None:
     """Rank 0's bar over the epoch's images, on a terminal only."""
     if not runtime.is_main or not sys.stdout.isatty() or os.environ.get("PARATRAIN_NO_BAR"):
         return None
-    return tqdm(total=total, desc=f"epoch {epoch + 1}/{epochs}", unit="img", leave=False)
+    return EpochBar(total=total, desc=f"epoch {epoch + 1}/{epochs}", unit="img", leave=False)
 
 
 def summarise(
