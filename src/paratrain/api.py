@@ -71,6 +71,7 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, say: Say = print) -> dict 
     Returns the run summary in the process that trained (rank 0's view); None in a
     launcher, whose workers report through the run directory, and for a dry run."""
     from paratrain.bench import autopilot
+    from paratrain.config import preset_notes
     from paratrain.data.sources import handed_over
     from paratrain.engine import preflight
     from paratrain.engine.describe import dry_run as describe
@@ -87,6 +88,9 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, say: Say = print) -> dict 
             return None
         cfg = found
     if not checked:
+        if env.is_main:  # a size taken from the data, and how to have another
+            for note in preset_notes(cfg, ("small images",)):
+                say(note)
         _told_once(env, lambda: preflight.preflight(cfg, preflight.job_world(cfg, env)))
     cfg, chosen = autopilot.choose(cfg, env, dry_run, say)
     if not checked and env.source == "single" and not dry_run:

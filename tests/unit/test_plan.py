@@ -118,10 +118,10 @@ def test_plan_cli_prints_every_strategy_and_json(tmp_path):
 def test_plan_without_a_device_memory_takes_this_machines(capsys, monkeypatch):
     """`plan` stopped without --device-memory; it now plans for this machine (no GPU
     here: 2 devices sharing the available memory) and says so."""
-    from paratrain.bench import autopilot
+    from paratrain.bench import memory
     from paratrain.cli import main
 
-    monkeypatch.setattr(autopilot, "_available_memory", lambda: 6 * 2**30)
+    monkeypatch.setattr(memory, "available_memory", lambda: 6 * 2**30)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     args = ["plan", "--model", "resnet18", "--image-size", "32", "--batch-size", "8"]
     assert main([*args, "--json"]) == 0

@@ -121,6 +121,7 @@ def test_a_preset_fills_what_was_not_given_by_flag_or_by_file_alike(preset, fold
         "adamw": {"opt": "adamw", "data": str(folder)},
         "digits": {},
         "weights": {"model": "resnet50", "weights": "IMAGENET1K_V2", "data": str(folder)},
+        "small images": {"data": str(folder)},  # 40x30 images: trained at 32 px
     }[preset.name]
     trigger_flags = [x for k, v in trigger.items() for x in (f"--{k}", str(v))]
     left_out = _resolved(trigger_flags)
@@ -323,7 +324,8 @@ def test_dry_run_checks_and_describes_without_running(folder, tmp_path, monkeypa
         ]
     )
     assert code == 0, err
-    assert "resolved config:" in out and "  image_size: 224" in out
+    assert "resolved config (what --config takes):" in out
+    assert out.index("would run:") < out.index("resolved config")  # the summary first
     assert "2 processes started here by torch's elastic launcher" in out
     assert "global batch: 32 (16 x 2 replica(s))" in out
     assert (

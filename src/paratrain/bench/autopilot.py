@@ -212,19 +212,11 @@ def device_memory(cfg: TrainConfig, nproc: int) -> tuple[int, str]:
     if runs_on_cuda(cfg.device):
         total = torch.cuda.get_device_properties(0).total_memory
         return total, f"{total / 2**30:.0f} GiB per GPU"
-    available = _available_memory()
+    from paratrain.bench.memory import available_memory
+
+    available = available_memory()
     where = f"{available / 2**30:.1f} GiB available / {nproc} process(es)"
     return available // max(nproc, 1), where
-
-
-def _available_memory() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 * 2**30
 
 
 def choose_strategy(

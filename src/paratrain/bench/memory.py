@@ -185,12 +185,21 @@ def measure_training_peak(
     return peak_rss(train)
 
 
+def available_memory() -> int:
+    """This machine's available memory (Linux's MemAvailable; 8 GiB where unknown)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 2**30
+
+
 def this_machine(opts: PlanOptions) -> PlanOptions:
     """The options with what was not given taken from this machine: its GPUs and one
     GPU's memory, or (no GPU) 2 devices sharing the available memory."""
     from dataclasses import replace
-
-    from paratrain.bench.autopilot import _available_memory
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     devices = opts.devices or gpus or 2
@@ -199,7 +208,7 @@ def this_machine(opts: PlanOptions) -> PlanOptions:
         each = (
             torch.cuda.get_device_properties(0).total_memory
             if gpus
-            else _available_memory() // devices
+            else available_memory() // devices
         )
         memory = f"{each / 2**30:.1f}GiB"
     return replace(opts, devices=devices, device_memory=memory)

@@ -46,6 +46,8 @@ NUMBERS3 = r"\s*[0-9.eE+-]+\s*,\s*[0-9.eE+-]+\s*,\s*[0-9.eE+-]+\s*"  # R,G,B
 # what a named --weights brings (mean, std, sizes, interpolation): its registry's
 # metadata, read by the models package (config never imports it)
 WEIGHTS_PREPROCESSING = "paratrain.models.pretrained:preprocessing"
+SMALL_IMAGES = "paratrain.data.sizes:suggested_size"  # the size a folder's images suggest
+SMALL_IMAGES_WHY = "paratrain.data.sizes:why"
 MAX_SECONDS = 30 * 24 * 3600  # a time limit longer than this is a mistake (and overflows)
 
 
@@ -994,6 +996,12 @@ class Preset:
         )
 
 
+def _provided(where: str, values: Mapping[str, Any]) -> Any:
+    """What the provider ``module:function`` says of the values (config imports none)."""
+    module, _, name = where.partition(":")
+    return getattr(importlib.import_module(module), name)(values)
+
+
 def _named_weights(values: Mapping[str, Any]) -> bool:
     weights = values.get("weights")
     return isinstance(weights, str) and bool(weights) and not looks_like_file(weights)
@@ -1016,6 +1024,15 @@ PRESETS = (
             "warmup_epochs": 1,
         },
         "no --data: the embedded digits set",
+    ),
+    # A folder of small images (64 px scans, thumbnails) trains near their own size, not
+    # upsampled to ImageNet's 224 (3x slower for nothing); weights by name, later, keep
+    # the size they were trained at.
+    Preset(
+        "small images",
+        lambda v: bool(v.get("data")) and bool(_provided(SMALL_IMAGES, v)),
+        SMALL_IMAGES,
+        lambda v: _provided(SMALL_IMAGES_WHY, v),
     ),
     # What AdamW (and LAMB, its layer-wise kin) is usually run with (timm's and torchvision's ViT recipes are close):
     # SGD's rate would be far too large for it.
@@ -1138,12 +1155,13 @@ def migrate_settings(
     return migrated
 
 
-def preset_notes(cfg: TrainConfig) -> list[str]:
-    """What each applicable preset chose, as the config now has it."""
+def preset_notes(cfg: TrainConfig, names: tuple[str, ...] | None = None) -> list[str]:
+    """What each applicable preset (of ``names``, where given) chose, as the config now
+    has it."""
     values = cfg.to_dict()
     notes = []
     for p in PRESETS:
-        if not p.applies(values):
+        if (names is not None and p.name not in names) or not p.applies(values):
             continue
         taken, kept = ([f"{k}={values[k]}" for k in keys] for keys in p.taken(values))
         note = f"{p.reason(values)}: " + (", ".join(taken) or "nothing taken")

@@ -93,7 +93,8 @@ def dry_run(
     unwritten: Path | None = None,
     chosen: list[str] | None = None,
 ) -> str:
-    """What `train --dry-run` prints: the resolved config, then what would run.
+    """What `train --dry-run` prints: what would run, then the resolved config (its
+    summary first: 10 lines before the 100 of YAML).
     ``unwritten``: where the embedded digits set would first be written."""
     import torch
 
@@ -149,10 +150,10 @@ def dry_run(
     return "\n".join(
         [
             "paratrain train --dry-run: checked; nothing was run.",
-            "resolved config:",
-            *("  " + line for line in yaml.safe_dump(cfg.to_dict(), sort_keys=False).splitlines()),
             "would run:",
             *facts.lines(),
+            "resolved config (what --config takes):",
+            *("  " + line for line in yaml.safe_dump(cfg.to_dict(), sort_keys=False).splitlines()),
         ]
     )
 

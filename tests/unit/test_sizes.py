@@ -1,0 +1,52 @@
+"""Defaults that follow the data: a folder of small images trains near their size, not
+upsampled to 224 (3x slower for nothing), and the run says so and how to override it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from imagefolders import make_image_folder
+from paratrain.cli import main
+from paratrain.config import resolve_train
+from paratrain.data import sizes
+
+
+def _folder(root: Path, size: tuple[int, int]) -> Path:
+    sizes.median_short_side.cache_clear()
+    return make_image_folder(root, classes=3, per_class=4, size=size)
+
+
+def test_small_images_set_the_training_size_near_their_median_short_side(tmp_path):
+    data = _folder(tmp_path / "d64", (80, 64))  # width x height: 64 on the short side
+    assert resolve_train({"data": str(data)}).image_size == 64
+    odd = _folder(tmp_path / "d45", (45, 60))  # a multiple of 8 near 45
+    assert resolve_train({"data": str(odd)}).image_size == 48
+    tiny = _folder(tmp_path / "d12", (12, 12))  # at least 32
+    assert resolve_train({"data": str(tiny)}).image_size == 32
+    large = _folder(tmp_path / "d300", (400, 300))  # larger than the default: 224
+    assert resolve_train({"data": str(large)}).image_size == 224
+
+
+def test_what_the_user_or_the_weights_say_wins(tmp_path):
+    data = _folder(tmp_path / "d", (80, 64))
+    assert resolve_train({"data": str(data), "image_size": 128}).image_size == 128
+    named = resolve_train({"data": str(data), "model": "resnet50", "weights": "IMAGENET1K_V2"})
+    assert named.image_size == 224  # the weights' own crop
+
+
+def test_the_run_says_which_size_it_took_and_how_to_have_the_default(tmp_path, capsys):
+    data = _folder(tmp_path / "d", (80, 64))
+    assert main(["train", "--data", str(data), "--dry-run"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == (
+        "--data's images are small (64 px on the short side, the median of 12; "
+        "--image-size 224 trains at the default): image_size=64"
+    )
+    assert main(["train", "--data", str(data), "--image-size", "96", "--dry-run"]) == 0
+    assert "(yours: image_size=96)" in capsys.readouterr().out.splitlines()[0]
+
+
+def test_sources_that_are_not_folders_keep_the_default():
+    assert sizes.suggested_size({"data": "hf:some/dataset"}) == {}
+    assert sizes.suggested_size({"data": "wds:/x/shard-{000..009}.tar"}) == {}
+    assert sizes.suggested_size({"data": "/no/such/folder"}) == {}
