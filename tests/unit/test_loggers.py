@@ -135,9 +135,9 @@ def test_a_tracker_without_its_package_names_the_extra(tmp_path, monkeypatch, na
     data = make_image_folder(tmp_path / "data", classes=2, per_class=4)
     with pytest.raises(UserError) as error:
         train(resolve_train({"data": str(data), "logger": f"csv,{name}"}), dry_run=True)
-    assert str(error.value) == (
-        f"--logger {name} needs the {name} package: pip install 'paratrain[{name}]'"
-    )
+    from paratrain.version import install_extra
+
+    assert str(error.value) == f"--logger {name} needs the {name} package: {install_extra(name)}"
 
 
 def test_an_unknown_tracker_is_one_line(capsys):

@@ -225,8 +225,10 @@ def test_onnx_without_its_packages_names_the_extra(trained_run, monkeypatch, cap
     checkpoint = str(root / "runs/r/checkpoints/last.pt")
     for dry in ([], ["--dry-run"]):
         assert main(["export", "--checkpoint", checkpoint, "--format", "onnx", *dry]) == 2
+        from paratrain.version import install_extra
+
         assert capsys.readouterr().err.strip() == (
-            "paratrain: error: export --format onnx needs onnxscript: pip install 'paratrain[onnx]'"
+            f"paratrain: error: export --format onnx needs onnxscript: {install_extra('onnx')}"
         )
 
 

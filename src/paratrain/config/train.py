@@ -442,7 +442,7 @@ class TrainConfig(Options):
     opt: str = setting(
         "sgd",
         "optimizer; adamw and lamb bring lr 0.001 and weight decay 0.05 unless given; lars "
-        "and lamb (layer-wise rates for large batches) are timm's: pip install 'paratrain[timm]'",
+        "and lamb (layer-wise rates for large batches) are timm's (the extra paratrain[timm])",
         group="recipe",
         choices=OPTIMIZERS,
         resume="fixed",

@@ -322,9 +322,11 @@ def _datasets():
     try:
         import datasets
     except ImportError:
+        from paratrain.version import install_extra
+
         raise UserError(
             "--data hf:... and dataset folders need the datasets package: "
-            "pip install 'paratrain[datasets]'"
+            + install_extra("datasets")
         ) from None
     return datasets
 
@@ -494,8 +496,10 @@ def expand_pattern(pattern: str) -> list[str]:
     try:
         from braceexpand import braceexpand
     except ImportError:
+        from paratrain.version import install_extra
+
         raise UserError(
-            "--data wds:... needs the webdataset package: pip install 'paratrain[webdataset]'"
+            f"--data wds:... needs the webdataset package: {install_extra('webdataset')}"
         ) from None
     return list(braceexpand(pattern))
 

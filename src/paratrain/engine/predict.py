@@ -81,7 +81,9 @@ def need_onnx(what: str, runtime: bool = False) -> None:
     modules = ("onnxruntime",) if runtime else ("onnx", "onnxscript")
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
-        raise UserError(f"{what} needs {' and '.join(missing)}: pip install 'paratrain[onnx]'")
+        from paratrain.version import install_extra
+
+        raise UserError(f"{what} needs {' and '.join(missing)}: {install_extra('onnx')}")
 
 
 def load_onnx(path: str | Path, device: str = "cpu") -> tuple[Callable, dict]:

@@ -17,6 +17,7 @@ from paratrain.distributed.env import DistEnv, detect
 from paratrain.distributed.launch import CHECKED
 from paratrain.errors import UserError
 from paratrain.parallel.base import get as strategy_of
+from paratrain.version import install_extra
 
 
 def already_checked() -> bool:
@@ -62,18 +63,18 @@ def check_settings(cfg: TrainConfig, world: int | None, model: bool = False) -> 
         check_input_size(cfg.model, cfg.image_size)
 
 
-# settings that need a package besides paratrain's own: (module, pip extra, when)
+# settings that need a package besides paratrain's own: (module, paratrain's extra, when)
 EXTRAS = (
-    ("timm", "paratrain[timm]", lambda cfg: cfg.model.startswith("timm/"), "--model timm/..."),
-    ("timm", "paratrain[timm]", lambda cfg: cfg.opt in ("lars", "lamb"), "--opt lars and lamb"),
+    ("timm", "timm", lambda cfg: cfg.model.startswith("timm/"), "--model timm/..."),
+    ("timm", "timm", lambda cfg: cfg.opt in ("lars", "lamb"), "--opt lars and lamb"),
     (
         "tensorboard",
-        "paratrain[tensorboard]",
+        "tensorboard",
         lambda c: "tensorboard" in c.loggers,
         "--logger tensorboard",
     ),
-    ("mlflow", "paratrain[mlflow]", lambda c: "mlflow" in c.loggers, "--logger mlflow"),
-    ("wandb", "paratrain[wandb]", lambda c: "wandb" in c.loggers, "--logger wandb"),
+    ("mlflow", "mlflow", lambda c: "mlflow" in c.loggers, "--logger mlflow"),
+    ("wandb", "wandb", lambda c: "wandb" in c.loggers, "--logger wandb"),
 )
 
 
@@ -81,7 +82,7 @@ def check_extras(cfg: TrainConfig) -> None:
     """An option whose package is not installed: one line naming what to install."""
     for module, extra, wanted, what in EXTRAS:
         if wanted(cfg) and importlib.util.find_spec(module) is None:
-            raise UserError(f"{what} needs the {module} package: pip install '{extra}'")
+            raise UserError(f"{what} needs the {module} package: {install_extra(extra)}")
 
 
 def check_trackers(cfg: TrainConfig) -> None:

@@ -154,9 +154,10 @@ def timm_optimizers():
         import timm.optim
     except ImportError:
         from paratrain.errors import UserError
+        from paratrain.version import install_extra
 
         raise UserError(
-            "--opt lars and --opt lamb are timm's optimizers: pip install 'paratrain[timm]'"
+            f"--opt lars and --opt lamb are timm's optimizers: {install_extra('timm')}"
         ) from None
     return timm.optim
 

@@ -60,8 +60,10 @@ def timm_module():
     try:
         import timm
     except ImportError:
+        from paratrain.version import install_extra
+
         raise UserError(
-            "--model timm/...: timm is not installed (pip install 'paratrain[timm]')"
+            f"--model timm/...: timm is not installed ({install_extra('timm')})"
         ) from None
     return timm
 
