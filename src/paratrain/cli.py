@@ -359,6 +359,9 @@ def run() -> None:
     abort with "terminate called without an active exception"."""
     import logging
 
+    from paratrain.log import mark_process_start
+
+    mark_process_start()  # before anything else: its imports are the command's time too
     try:
         code = main()
     except SystemExit as exc:  # argparse, or a launcher passing on its workers' code

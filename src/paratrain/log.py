@@ -12,16 +12,39 @@ import time
 
 _LOGGER_NAME = "paratrain"
 STARTED = "PARATRAIN_STARTED"  # when the command started (epoch seconds), for its processes
+COMMAND_PID = "PARATRAIN_COMMAND_PID"  # the `paratrain` command's own process
 
 
 def mark_start(reset: bool = False) -> None:
     """Note now as the command's start, for this process and those it starts; a
     process that a launcher started keeps the launcher's (``reset``: a new command in
-    this process, such as another in-process run, starts now)."""
-    if reset:
+    this process, such as another in-process run, starts now; not the `paratrain`
+    command's own process, whose start is its process's: :func:`mark_process_start`)."""
+    if reset and os.environ.get(COMMAND_PID) != str(os.getpid()):
         os.environ[STARTED] = repr(time.time())
     else:
         os.environ.setdefault(STARTED, repr(time.time()))
+
+
+def mark_process_start() -> None:
+    """The `paratrain` command: it started when its process did, so the seconds it told
+    ("done in", the first step, a budget's) include its imports, as a user's clock
+    does; a process that a launcher started keeps the launcher's start."""
+    if STARTED in os.environ:
+        return
+    age = _process_age()
+    os.environ[STARTED] = repr(time.time() - (age if age is not None else 0.0))
+    os.environ[COMMAND_PID] = str(os.getpid())
+
+
+def _process_age() -> float | None:
+    """Seconds since this process started (Linux's /proc), None where unknown."""
+    try:  # field 22 of /proc/self/stat: the process's start, in clock ticks after boot
+        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        uptime = float(open("/proc/uptime").read().split()[0])
+        return uptime - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def since_start() -> float:
@@ -31,12 +54,8 @@ def since_start() -> float:
             return time.time() - float(os.environ[STARTED])
         except ValueError:
             pass
-    try:  # field 22 of /proc/self/stat: the process's start, in clock ticks after boot
-        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
-        uptime = float(open("/proc/uptime").read().split()[0])
-        return uptime - ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return time.process_time()
+    age = _process_age()
+    return age if age is not None else time.process_time()
 
 
 def get_logger() -> logging.Logger:

@@ -259,3 +259,33 @@ def test_check_prints_a_table_and_exits_0(tmp_path):
         line = next(line for line in out.stdout.splitlines() if line.startswith(name + " "))
         assert " ok " in line, line
     assert "FAIL" not in out.stdout
+
+
+def test_done_in_is_the_commands_own_time(tmp_path):
+    """Every "done in" was shorter than the command's wall time: it left out start-up
+    (imports, the listing, the cache) that the user waited through. It is now counted
+    from the process's start, with the first step and the training beside it."""
+    import re
+    import time
+
+    data = make_image_folder(tmp_path / "data", classes=2, per_class=6)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PARATRAIN_")}
+    env["PARATRAIN_CACHE"] = str(tmp_path / "cache")
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "paratrain", "train", "--data", str(data), "--name", "clock",
+         "--epochs", "1", "--cache", "off", *FAST],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    wall = time.monotonic() - started
+    assert done.returncode == 0, done.stderr
+    told = re.search(
+        r"done in ([\d.]+)s \(first step at ([\d.]+)s, training ([\d.]+)s\)", done.stdout
+    )
+    assert told is not None, done.stdout
+    said, first, training = (float(x) for x in told.groups())
+    assert wall - 1.5 < said <= wall + 0.1, (said, wall)  # only the exit after the line
+    assert first < said and training < said
+    summary = json.loads((tmp_path / "runs/clock/summary.json").read_text())
+    assert summary["wall_s"] == pytest.approx(said, abs=0.1)
+    assert summary["first_step_s"] == pytest.approx(first, abs=0.1)

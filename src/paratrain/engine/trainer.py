@@ -147,7 +147,8 @@ def _train(cfg: TrainConfig, runtime: Runtime) -> dict:
         raise Interrupted(run.run_dir, last_of_run(run.run_dir)) from None
     comm.barrier()
     seconds = time.perf_counter() - started
-    return summarise(cfg, run.run_dir, run.metrics, runtime, seconds, run.progress.skipped_steps)
+    skipped = run.progress.skipped_steps
+    return summarise(cfg, run.run_dir, run.metrics, runtime, seconds, skipped, run.first_step)
 
 
 def budget_spent(run: Run) -> dict:

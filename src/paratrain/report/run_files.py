@@ -16,7 +16,7 @@ from paratrain.config import TrainConfig
 from paratrain.data.folder import DataSplit
 from paratrain.distributed import comm
 from paratrain.distributed.runtime import Runtime
-from paratrain.log import get_logger
+from paratrain.log import get_logger, since_start
 from paratrain.report.metrics import MetricsWriter
 
 
@@ -111,6 +111,12 @@ def progress_bar(runtime: Runtime, total: int, epoch: int, epochs: int) -> tqdm 
     return EpochBar(total=total, desc=f"epoch {epoch + 1}/{epochs}", unit="img", leave=False)
 
 
+def _parts(first_step: float | None, seconds: float) -> str:
+    if first_step is None:
+        return f" (training {seconds:.1f}s)"
+    return f" (first step at {first_step:.1f}s, training {seconds:.1f}s)"
+
+
 def summarise(
     cfg: TrainConfig,
     run_dir: Path,
@@ -118,8 +124,12 @@ def summarise(
     runtime: Runtime,
     seconds: float,
     skipped_steps: int,
+    first_step: float | None = None,
 ) -> dict:
-    """summary.json and the closing line; every rank returns rank 0's summary."""
+    """summary.json and the closing line; every rank returns rank 0's summary. "done
+    in" is the command's own time so far (start-up included, as a user's clock counts
+    it), with the time to the first step and the training's beside it."""
+    wall = since_start()
     rows = metrics.read() if runtime.is_main else []
     summary = comm.broadcast_object(
         {
@@ -130,7 +140,9 @@ def summarise(
             "best_val_top1": max((r["val_top1"] for r in rows), default=None),
             "final": rows[-1] if rows else None,
             "skipped_steps": skipped_steps,
-            "seconds": seconds,
+            "seconds": seconds,  # the epochs' (training, evaluation, saving)
+            "wall_s": wall,  # from the command's start
+            "first_step_s": first_step,
         }
         if runtime.is_main
         else None
@@ -141,8 +153,8 @@ def summarise(
         best = summary["best_val_top1"]
         skipped = f", {skipped_steps} non-finite step(s) skipped" if skipped_steps else ""
         get_logger().info(  # an epoch ran (a run with none left ends in nothing_left)
-            f"done in {seconds:.1f}s: best val top1 {best:.2%}{skipped}, checkpoints in "
-            f"{run_dir / 'checkpoints'}"
+            f"done in {wall:.1f}s{_parts(first_step, seconds)}: best val top1 {best:.2%}"
+            f"{skipped}, checkpoints in {run_dir / 'checkpoints'}"
         )
     return summary
 
