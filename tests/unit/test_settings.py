@@ -325,6 +325,7 @@ def test_dry_run_checks_and_describes_without_running(folder, tmp_path, monkeypa
     )
     assert code == 0, err
     assert "resolved config (what --config takes):" in out
+    assert "  image_size: 32" in out  # the folder's 40x30 images: trained near their size
     assert out.index("would run:") < out.index("resolved config")  # the summary first
     assert "2 processes started here by torch's elastic launcher" in out
     assert "global batch: 32 (16 x 2 replica(s))" in out
