@@ -980,9 +980,7 @@ class Preset:
     def values_for(self, resolved: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(self.values, dict):
             return self.values
-        module, _, name = self.values.partition(":")
-        provider = getattr(importlib.import_module(module), name)
-        return dict(provider(resolved))
+        return dict(_provided(self.values, resolved))
 
     def reason(self, resolved: Mapping[str, Any]) -> str:
         return self.why(dict(resolved)) if callable(self.why) else self.why
