@@ -179,8 +179,8 @@ def build_parser() -> _Parser:
 
 
 def flag_reference() -> str:
-    """The README's flag tables, made from the schema: `train`'s by group, then every
-    other command's (a test keeps the README equal to this)."""
+    """The flag reference, made from the schema: `train`'s flags by group, then every other
+    command's (the docs hook fills docs/reference.md with it at build time)."""
     from paratrain.config.schema import markdown_table
 
     groups = list(dict.fromkeys(s.rule.group for s in settings(TrainConfig)))

@@ -34,7 +34,7 @@ def test_a_launch_leaves_the_sessions_signal_handlers_and_environment_as_they_we
 
 def test_the_readme_lists_the_preemption_signals_the_launcher_and_the_ranks_handle():
     """Every signal a rank takes as preemption is one the launcher handles and passes
-    on (SIGUSR1 used to end the launcher at once), and the README says which."""
+    on (SIGUSR1 used to end the launcher at once), and the docs say which."""
     import re
     from pathlib import Path
 
@@ -43,6 +43,6 @@ def test_the_readme_lists_the_preemption_signals_the_launcher_and_the_ranks_hand
 
     names = [signal.Signals(sig).name for sig in SIGNALS]
     assert set(names) <= set(LAUNCHER_SIGNALS)
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    readme = (Path(__file__).parents[2] / "docs" / "failures.md").read_text()
     line = re.search(r"\* \*\*Preemption\*\*: (.*?) saves a checkpoint", readme)
     assert line is not None and re.findall(r"SIG[A-Z0-9]+", line.group(1)) == names

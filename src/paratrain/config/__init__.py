@@ -2,7 +2,7 @@
 
 ``train.py``: TrainConfig, a run's settings, and the presets; ``commands.py``: the other
 subcommands' options; ``schema.py``: what turns a declaration into flags, checks,
-messages and the README's tables.
+messages and the docs' flag reference.
 """
 
 from paratrain.config.commands import (

@@ -3,7 +3,7 @@
 ``setting(default, help, ...)`` puts a :class:`Rule` into the field's metadata: its help,
 its group, its bounds or choices, whether it names a file. From the fields of an options
 dataclass come its command-line flags (cli.py), its YAML keys, its checks and their
-one-line messages (:func:`check`), and the README's flag tables (:func:`markdown_table`).
+one-line messages (:func:`check`), and the docs' flag reference (:func:`markdown_table`).
 Nothing else restates a default or a list of choices.
 """
 
@@ -49,7 +49,7 @@ class Rule:
     positional: bool = False
     nargs: str | None = None  # for positional lists ("+", "?")
     metavar: str | None = None
-    hidden: bool = False  # internal: not in --help nor in the README's tables
+    hidden: bool = False  # internal: not in --help nor in the flag reference
     # choices kept by another package, as "module:attribute" (a mapping of name to its
     # one-line summary, or a sequence of names): --strategy's registry, parallel/__init__
     choices_from: str | None = None
@@ -397,7 +397,7 @@ def to_argv(options: Any, only: tuple[str, ...] | None = None) -> list[str]:
 
 
 def markdown_table(cls: type, group: str | None = None, names: tuple[str, ...] = ()) -> str:
-    """The README's table of ``cls``'s flags (one group, or the names given)."""
+    """The flag reference's table of ``cls``'s flags (one group, or the names given)."""
     rows = ["| flag | default | what it does |", "| --- | --- | --- |"]
     for s in settings(cls):
         if s.rule.hidden or (group is not None and s.rule.group != group):

@@ -11,7 +11,7 @@ epochs (engine/schedule.py), so a new length only reshapes what is left of the c
 
 Before that, the recipe (``--budget-recipe``): when few epochs would fit at the sizes as
 given, more epochs at a lower resolution reach a good model sooner (measured on two sets
-in the README: the plain loop's best in a third of its time). The choice is made once,
+in docs/benchmarks.md: the plain loop's best in a third of its time). The choice is made once,
 before the cache is built (it keeps the sizes chosen), from a few steps timed on
 synthetic batches, and recorded in config.yaml (``--budget-recipe low-res``, the sizes
 as given), so a resumed run and ``--config`` keep it.
