@@ -385,9 +385,31 @@ def test_a_budget_ends_on_time_and_a_resumed_run_keeps_what_is_left(data):
     assert resumed.returncode == 0, resumed.stderr
     assert "training at 32px" in resumed.stdout  # the ramp's end, in the run's last part
     assert abs(spent + wall - budget) < 0.05 * budget, (spent, wall)
+    assert _counter_follows_the_plan(crashed.stdout) and _counter_follows_the_plan(resumed.stdout)
     rows = [json.loads(r) for r in (root / "runs/budget/metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["epoch"] > 3  # --epochs gave way to the budget
     assert rows[-1]["lr"] < rows[0]["lr"]  # the schedule ran its course
+
+
+def _counter_follows_the_plan(stdout: str) -> int:
+    """Every epoch line's total ("epoch 3/9") is the plan's last whole end, said before
+    it: the first plan's epochs rounded up, or the end a re-plan named. Returns the
+    number of epoch lines checked (each one fails the assertion if it disagrees)."""
+    import math
+    import re
+
+    total, checked = None, 0
+    for line in stdout.splitlines():
+        if first := re.search(r"budget \S+: ([0-9.]+) epochs fit in the", line):
+            total = max(math.ceil(float(first.group(1)) - 1e-9), 1)
+        elif re.search(r"budget \S+: not one epoch fits", line):
+            total = 1
+        elif moved := re.search(r"the run now ends after epoch (\d+)", line):
+            total = int(moved.group(1))
+        elif shown := re.match(r"epoch \d+/(\d+) ", line):
+            assert total is not None and int(shown.group(1)) == total, (line, total)
+            checked += 1
+    return checked
 
 
 def test_a_budgets_low_res_recipe_is_recorded_by_name_and_kept_by_a_resumed_run(data):

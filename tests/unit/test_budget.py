@@ -37,7 +37,8 @@ def test_the_plan_fills_what_is_left_and_never_stretches_a_finished_schedule(mon
     assert plan.left() == pytest.approx(left)
     assert plan.after_epoch(1.0, 6.0) == pytest.approx(1 + left / 6)
     clock["now"] = 50.0  # the next epochs were slower: the end comes nearer
-    assert plan.after_epoch(2.0, 12.0) == pytest.approx(2 + (left - 30) / 9)  # median of 6, 12
+    # the first epoch's cost is left out once there is another (it pays for first times)
+    assert plan.after_epoch(2.0, 12.0) == pytest.approx(2 + (left - 30) / 12)
     assert not plan.done(2.5) and plan.done(plan.planned)
     clock["now"] = 20.0  # time found again after the end: the schedule stays ended
     assert plan.after_epoch(3.0, 1.0) == plan.planned
@@ -53,6 +54,61 @@ def test_the_first_plan_comes_from_the_first_steps(monkeypatch):
     step = 0.5  # the median: the first interval (warm-up, 1 s) does not move it
     epoch = step * 20 + step * budget_module.EVAL_COST * 6
     assert planned[5] == pytest.approx(0.25 + plan.left() / epoch)
+
+
+def test_a_re_plan_within_the_slack_keeps_the_plan_and_a_new_end_is_said(monkeypatch, caplog):
+    """The epoch counter's total moves only when the plan does, and the line says why."""
+    import logging
+
+    clock = {"now": 10.0}
+    monkeypatch.setattr(budget_module, "since_start", lambda: clock["now"])
+    plan = Budget(100.0, steps_per_epoch=10, val_batches=3)
+    first = plan.after_epoch(1.0, 10.0)  # 1 + left / 10
+    clock["now"] = 20.0
+    with caplog.at_level(logging.INFO, logger="paratrain"):
+        # 10.05 s an epoch: the end moves by less than the slack (2 s of 100): kept
+        assert plan.after_epoch(2.0, 10.05) == first
+        assert caplog.text == ""
+        clock["now"] = 35.0  # 15 s an epoch: the end comes nearer by whole epochs
+        moved = plan.after_epoch(3.0, 15.0)
+    assert moved == pytest.approx(3 + plan.left() / 12.525)  # the median of 10.05 and 15
+    assert f"{moved:.2f} epochs fit, not {first:.2f}" in caplog.text
+    assert "12.53 s an epoch" in caplog.text and "ends after epoch 8" in caplog.text
+
+
+def test_a_budget_that_fits_no_whole_epoch_says_so_and_trains_what_fits(monkeypatch, caplog):
+    import logging
+
+    monkeypatch.setattr(budget_module, "since_start", lambda: 5.0)
+    plan = Budget(30.0, steps_per_epoch=100, val_batches=10)
+    with caplog.at_level(logging.INFO, logger="paratrain"):
+        planned = plan.first_plan(0.1, train_seconds=6.0, steps=10)  # 0.6 s a step
+    assert planned is not None and 0 < planned < 1
+    assert (
+        "not one epoch fits" in caplog.text and f"training {planned:.2f} of an epoch" in caplog.text
+    )
+    assert plan.first_plan(0.2, 1.0, 1) is None  # planned already: once
+
+
+def test_auto_keeps_the_sizes_where_low_res_would_train_too_small(caplog):
+    import logging
+
+    import torch
+
+    from paratrain.distributed.env import DistEnv
+    from paratrain.distributed.runtime import Runtime
+
+    cfg = TrainConfig(data="d", image_size=16, budget="30s")
+    assert (
+        budget_module.may_choose(cfg)
+        and budget_module.low_res(cfg).train_size < budget_module.SMALLEST
+    )
+    with caplog.at_level(logging.INFO, logger="paratrain"):
+        chosen = budget_module.choose_recipe(
+            cfg, Runtime(env=DistEnv(), device=torch.device("cpu"), backend=None), 1000, 100, None
+        )
+    assert chosen.budget_recipe == "fixed"
+    assert "low-res would train at 8 px, below 16" in caplog.text
 
 
 def test_progressive_sizes_rise_late_and_end_at_the_largest():
@@ -150,8 +206,10 @@ def test_auto_times_real_steps_and_chooses_low_res_when_few_epochs_fit(
     cfg = TrainConfig(data="d", model="resnet18", image_size=32, batch_size=4, budget=budget)
     decided = budget_module.choose_recipe(cfg, one_process, 400, 100, None)
     assert decided.budget_recipe == chosen
-    assert len(said.lines) == 1 and "epochs fit at 32 px" in said.lines[0], said.lines
-    assert said.lines[0].endswith(
+    # said before the probe (its seconds are the budget's), and after it with its cost
+    assert len(said.lines) == 2 and "timing a few steps" in said.lines[0], said.lines
+    assert "epochs fit at 32 px" in said.lines[1] and "timing took" in said.lines[1]
+    assert said.lines[-1].endswith(
         "--budget-recipe low-res" if chosen == "low-res" else "the sizes as given"
     )
 

@@ -35,10 +35,11 @@ def test_bad_device_memory_is_a_user_error(text):
         memory.parse_size(text)
 
 
-def _measured(model: str, size: int, batch: int) -> int:
+def _measured(model: str, size: int, batch: int, precision: str = "32") -> int:
     code = (
         "import torch; torch.set_num_threads(2); from paratrain.bench import memory; "
-        f"print(memory.measure_training_peak({model!r}, {size}, {batch}, classes=10))"
+        f"print(memory.measure_training_peak({model!r}, {size}, {batch}, classes=10, "
+        f"precision={precision!r}))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -46,13 +47,23 @@ def _measured(model: str, size: int, batch: int) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["resnet18", "resnet50"])
-def test_estimate_is_within_20_percent_of_the_measured_peak(model):
+@pytest.mark.parametrize(
+    ("model", "precision"),
+    [("resnet18", "32"), ("resnet50", "32"), ("resnet50", "bf16-mixed")],
+)
+def test_estimate_is_within_20_percent_of_the_measured_peak(model, precision):
+    """The estimate at the run's precision: under bf16 autocast the activations are
+    profiled as autocast saves them, against a peak measured under the same autocast."""
     size, batch = 64, 16
-    rows = memory.estimate(create_model(model, 10, size), size, batch, 1, slots=1)
+    dtype = memory.AUTOCAST.get(precision)
+    model_ = create_model(model, 10, size)
+    rows = memory.estimate(model_, size, batch, 1, slots=1, autocast=dtype)
     ddp = next(r for r in rows if r.strategy == "ddp")
-    measured = _measured(model, size, batch)
+    measured = _measured(model, size, batch, precision)
     assert abs(ddp.total - measured) <= 0.2 * measured, (ddp.total, measured)
+    if dtype is not None:  # half-size activations: well below the fp32 estimate's
+        fp32 = memory.estimate(model_, size, batch, 1, slots=1)
+        assert ddp.activations < 0.8 * next(r for r in fp32 if r.strategy == "ddp").activations
     parameters = sum(p.numel() * 4 for p in create_model(model, 10, size).parameters())
     assert ddp.parameters == ddp.gradients == ddp.optimizer == parameters  # SGD momentum: 1 slot
 
@@ -132,3 +143,27 @@ def test_plan_without_a_device_memory_takes_this_machines(capsys, monkeypatch):
     assert first.endswith("2 device(s) of 3.0GiB (this machine's; --device-memory for another):")
     assert main([*args, "--devices", "3", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["device_memory"] == 2 * 2**30
+
+
+def test_plan_estimates_at_the_precision_the_run_would_use(capsys, monkeypatch):
+    """`plan` estimated fp32 while training defaults to bf16: --precision auto resolves
+    as a run here would (bf16 where the CPU computes it natively), and bf16's
+    activations, profiled under autocast, are smaller than fp32's."""
+    from paratrain.bench import memory
+    from paratrain.cli import main
+    from paratrain.distributed import runtime
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = ["plan", "--model", "resnet18", "--image-size", "32", "--batch-size", "8", "--json"]
+    rows = {}
+    for native, expected in ((True, "bf16-mixed"), (False, "32")):
+        monkeypatch.setattr(runtime, "cpu_has_native_bf16", lambda _=None, n=native: n)
+        assert memory.run_precision(memory.TrainConfig(model="resnet18"))[0] == expected
+        assert main(args) == 0
+        result = json.loads(capsys.readouterr().out)
+        assert result["precision"] == expected
+        rows[expected] = next(r for r in result["rows"] if r["strategy"] == "ddp")
+    assert rows["bf16-mixed"]["activations"] < 0.8 * rows["32"]["activations"]
+    assert rows["bf16-mixed"]["parameters"] == rows["32"]["parameters"]  # fp32 master weights
+    assert main([*args[:-1], "--precision", "32"]) == 0
+    assert "resnet18 at 32px, batch 8 per device, sgd, 32 (--precision)" in capsys.readouterr().out

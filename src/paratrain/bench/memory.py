@@ -56,11 +56,15 @@ def estimate(
     microbatches: int = 4,
     schedule: str = "1f1b",
     model_name: str = "model",
+    autocast: torch.dtype | None = None,
 ) -> list[DeviceMemory]:
     """The most any one device needs, for each strategy at ``devices`` devices (each
-    strategy's own estimate, parallel/<name>.py), fastest first."""
+    strategy's own estimate, parallel/<name>.py), fastest first; activations as saved
+    under ``autocast`` (the run's mixed precision), weights and optimizer state fp32."""
     sample = partition.sample_images(image_size, PROFILE_BATCH)
-    traced, starts = partition.plan_stages(model, devices, sample, model_name=model_name)
+    traced, starts = partition.plan_stages(
+        model, devices, sample, model_name=model_name, autocast=autocast
+    )
     profile = MemoryProfile(
         model, traced, starts, batch, PROFILE_BATCH, devices, slots, microbatches, schedule
     )
@@ -151,11 +155,24 @@ def peak_rss(run: Callable[[], object]) -> int | None:
 
 
 def measure_training_peak(
-    model_name: str, image_size: int, batch: int, opt: str = "sgd", classes: int = 1000
+    model_name: str,
+    image_size: int,
+    batch: int,
+    opt: str = "sgd",
+    classes: int = 1000,
+    precision: str = "32",
 ) -> int | None:
-    """Peak resident memory a plain fp32 training run adds: build the model and optimizer,
-    take two steps (the optimizer state exists from the first). Run it in a fresh process:
-    memory a process freed earlier may be reused and go uncounted."""
+    """Peak resident memory a plain training run adds (fp32, or its forward under
+    ``precision``'s autocast): build the model and optimizer, take two steps (the
+    optimizer state exists from the first). Run it in a fresh process: memory a process
+    freed earlier may be reused and go uncounted."""
+    import contextlib
+
+    dtype = AUTOCAST.get(precision)
+
+    def cast() -> contextlib.AbstractContextManager:
+        return torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
+
     from paratrain.models.registry import create_model
 
     x = torch.randn(batch, 3, image_size, image_size)
@@ -179,7 +196,9 @@ def measure_training_peak(
         )
         for _ in range(2):
             optimizer.zero_grad(set_to_none=True)
-            nn.functional.cross_entropy(model(x), y).backward()
+            with cast():
+                loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
             optimizer.step()
 
     return peak_rss(train)
@@ -223,6 +242,7 @@ def plan(cfg: TrainConfig, opts: PlanOptions) -> tuple[dict, str]:
     opts = this_machine(opts)
     assert opts.devices is not None
     limit = parse_size(opts.device_memory or "")
+    mode, how = run_precision(cfg)
     torch.manual_seed(0)
     net = create_model(cfg.model, opts.classes, cfg.image_size)
     rows = estimate(
@@ -234,6 +254,7 @@ def plan(cfg: TrainConfig, opts: PlanOptions) -> tuple[dict, str]:
         cfg.microbatches,
         cfg.schedule,
         model_name=cfg.model,
+        autocast=AUTOCAST.get(mode),
     )
     choice, why = recommend(rows, limit, opts.devices)
     result = {
@@ -242,6 +263,7 @@ def plan(cfg: TrainConfig, opts: PlanOptions) -> tuple[dict, str]:
         "batch_size": cfg.batch,
         "devices": opts.devices,
         "device_memory": limit,
+        "precision": mode,
         "rows": as_dict(rows),
         "recommended": choice,
         "why": why,
@@ -249,9 +271,26 @@ def plan(cfg: TrainConfig, opts: PlanOptions) -> tuple[dict, str]:
     mine = "" if given else " (this machine's; --device-memory for another)"
     heading = (
         f"{cfg.model} at {cfg.image_size}px, batch {cfg.batch} per device, "
-        f"{cfg.opt}, fp32, {opts.devices} device(s) of {opts.device_memory}{mine}:"
+        f"{cfg.opt}, {mode} ({how}), {opts.devices} device(s) of {opts.device_memory}{mine}:"
     )
     return result, format_plan(rows, limit, opts.devices, choice, why, heading)
+
+
+# the dtype a run's forward computes in under each --precision (16-mixed is profiled as
+# bf16 on a CPU: the same two bytes an element)
+AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.bfloat16}
+
+
+def run_precision(cfg: TrainConfig) -> tuple[str, str]:
+    """The precision a run on this machine would train in (--precision auto resolved
+    as training resolves it, for its GPUs or else its CPU), and how it was chosen."""
+    from paratrain.distributed.runtime import resolve_precision
+
+    if cfg.precision != "auto":
+        return cfg.precision, "--precision"
+    gpu = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    return resolve_precision("auto", device), "what a run here would use"
 
 
 def check_plan(cfg: TrainConfig, opts: PlanOptions) -> None:
@@ -267,6 +306,6 @@ def describe_plan(cfg: TrainConfig, opts: PlanOptions) -> str:
     """What `plan --dry-run` says would run."""
     opts = this_machine(opts)
     return (
-        f"would profile {cfg.model} at {cfg.image_size}px and plan batch {cfg.batch_size} "
-        f"on {opts.devices} device(s) of {opts.device_memory}"
+        f"would profile {cfg.model} at {cfg.image_size}px in {run_precision(cfg)[0]} and "
+        f"plan batch {cfg.batch_size} on {opts.devices} device(s) of {opts.device_memory}"
     )

@@ -43,7 +43,16 @@ STEP_SETTINGS = (
     "compile",
 )
 BENCH_SETTINGS = (*STEP_SETTINGS, "nproc")
-PLAN_SETTINGS = ("model", "image_size", "batch_size", "opt", "momentum", "microbatches", "schedule")
+PLAN_SETTINGS = (
+    "model",
+    "image_size",
+    "batch_size",
+    "opt",
+    "momentum",
+    "microbatches",
+    "schedule",
+    "precision",
+)
 
 
 def _checkpoint() -> str | None:

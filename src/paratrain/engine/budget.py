@@ -19,6 +19,7 @@ as given), so a resumed run and ``--config`` keep it.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass, field, replace
@@ -36,6 +37,8 @@ EVAL_COST = 1 / 3  # a batch's evaluation, as a share of its training step (forw
 SAFETY = 0.02  # of the budget, kept back for what the plan cannot see (the last write)
 EXIT = 2.0  # seconds kept back for the processes to end (measured: 2.5 s for 2 on a CPU)
 SHORT = 10.0  # auto: fewer epochs than this at the sizes as given, the low-res recipe
+SMALLEST = 16  # auto: no low-res recipe that would train below this many pixels
+SLACK = 0.02  # of the budget (at least a second): a re-plan closer than this keeps the plan
 TRAIN_SHARE, EVAL_SHARE = 5 / 8, 3 / 4  # low-res: of the training and validation sizes
 
 
@@ -85,28 +88,59 @@ class Budget:
         epoch = epoch_cost(step, self.steps_per_epoch, self.val_batches)
         return self._plan(done, epoch, f"{step:.3f} s a step, {self.steps_per_epoch} an epoch")
 
+    def first_plan(self, done: float, train_seconds: float, steps: int) -> float | None:
+        """The plan at the end of a first epoch too short to have timed its steps (fewer
+        than MEASURED_STEPS): from the epoch's own steps, before its line is printed, so
+        the epoch counter agrees with the plan from the first line."""
+        if self.planned is not None or steps < 1:
+            return None
+        step = train_seconds / steps
+        epoch = epoch_cost(step, self.steps_per_epoch, self.val_batches)
+        return self._plan(done, epoch, f"{step:.3f} s a step, {self.steps_per_epoch} an epoch")
+
     def after_epoch(self, done: float, epoch_seconds: float) -> float:
-        """Plan again from the epoch's real cost (training, evaluation and checkpoint)."""
+        """Plan again from the epochs' real cost (training, evaluation and checkpoint):
+        the median of the last three, the first left out once there are others (it pays
+        once for what the next ones do not: the first evaluation, the first plot)."""
         self.epoch_costs.append(epoch_seconds)
         self.last_step = None  # the next epoch's first step starts a new interval
-        cost = statistics.median(self.epoch_costs[-3:])
+        costs = self.epoch_costs[1:] or self.epoch_costs
+        cost = statistics.median(costs[-3:])
         return self._plan(done, cost, f"{cost:.2f} s an epoch with its evaluation and save")
 
     def _plan(self, done: float, epoch_seconds: float, how: str) -> float:
         if self.finished:  # the schedule has ended: it is never stretched again
             assert self.planned is not None
             return self.planned
-        fits = done + max(self.left(), 0.0) / max(epoch_seconds, 1e-9)
-        planned = comm.broadcast_object(fits)
-        assert planned is not None  # rank 0's
-        first = self.planned is None
-        self.planned = max(planned, done)
-        if first:
-            get_logger().info(
-                f"budget {duration(self.seconds)}: {self.planned:.2f} epochs fit in the "
-                f"{duration(self.left())} left ({how}); the schedule ends there"
-            )
+        left = max(self.left(), 0.0)
+        # rank 0's clock and costs decide, so every rank keeps or moves the plan alike
+        agreed = comm.broadcast_object((done + left / max(epoch_seconds, 1e-9), epoch_seconds))
+        assert agreed is not None  # rank 0's
+        fits, epoch_seconds = max(agreed[0], done), agreed[1]
+        if self.planned is None:
+            self.planned = fits
+            get_logger().info(self._first_words(fits, left, how))
+        elif abs(fits - self.planned) * epoch_seconds > max(SLACK * self.seconds, 1.0):
+            before, self.planned = self.planned, fits
+            if math.ceil(before - 1e-9) != math.ceil(fits - 1e-9):  # the counter's total
+                get_logger().info(
+                    f"budget {duration(self.seconds)}: {fits:.2f} epochs fit, not "
+                    f"{before:.2f}: {how} ({duration(left)} left); the run now ends after "
+                    f"epoch {max(math.ceil(fits - 1e-9), 1)}"
+                )
         return self.planned
+
+    def _first_words(self, fits: float, left: float, how: str) -> str:
+        budget = f"budget {duration(self.seconds)}"
+        if fits < 1:
+            return (
+                f"{budget}: not one epoch fits in the {duration(left)} left ({how}): "
+                f"training {fits:.2f} of an epoch, then one evaluation and checkpoint"
+            )
+        return (
+            f"{budget}: {fits:.2f} epochs fit in the {duration(left)} left ({how}); "
+            "the schedule ends there"
+        )
 
     def done(self, trained: float) -> bool:
         """Whether training has reached the planned length (for good, once it has)."""
@@ -203,16 +237,29 @@ def choose_recipe(
         return replace(cfg, budget_recipe=recorded_recipe(resumed))
     if not may_choose(cfg) or not _takes(low_res(cfg), runtime.world_size):
         return replace(cfg, budget_recipe="fixed")
+    if low_res(cfg).train_size < SMALLEST:
+        get_logger().info(
+            f"budget {duration(cfg.budget_seconds or 0.0)}: the sizes as given (low-res "
+            f"would train at {low_res(cfg).train_size} px, below {SMALLEST})"
+        )
+        return replace(cfg, budget_recipe="fixed")
     from paratrain.engine.probe import step_seconds  # builds a model: only when choosing
 
+    budget = f"budget {duration(cfg.budget_seconds or 0.0)}"
+    get_logger().info(
+        f"{budget}: timing a few steps of the model on synthetic batches to choose the "
+        f"recipe ({since_start():.1f}s gone; --budget-recipe fixed skips this)"
+    )
+    started = time.perf_counter()
     step, replicas = step_seconds(cfg, runtime)
+    probe = time.perf_counter() - started
     epoch = epoch_seconds(step, cfg, train, val, replicas)
     fits = comm.broadcast_object(max(Budget(cfg.budget_seconds or 0.0).left(), 0.0) / epoch)
     assert fits is not None  # rank 0's
     short = fits < SHORT
     get_logger().info(
-        f"budget {duration(cfg.budget_seconds or 0.0)}: about {fits:.1f} epochs fit at "
-        f"{cfg.train_size} px ({step:.3f} s a step on synthetic batches), "
+        f"{budget}: about {fits:.1f} epochs fit at {cfg.train_size} px ({step:.3f} s a "
+        f"step on synthetic batches; timing took {probe:.1f}s of the budget), "
         + (
             f"fewer than {SHORT:.0f}: --budget-recipe low-res"
             if short

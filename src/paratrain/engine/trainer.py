@@ -319,7 +319,7 @@ def train_epoch(run: Run, epoch: int) -> float:
         loader = run.loaders.train
     parts.train()
     run.optimizer.zero_grad(set_to_none=True)
-    start = time.perf_counter()
+    start, first = time.perf_counter(), progress.global_step
     batches, remaining = iter(loader), len(loader)
     while remaining:
         count = min(cfg.grad_accum, remaining)  # the epoch's last step may have fewer
@@ -338,7 +338,7 @@ def train_epoch(run: Run, epoch: int) -> float:
         if run.budget is not None:  # --budget: plan after the first steps, end on time
             trained = epoch + progress.consumed / run.loaders.sampler.total
             if (planned := run.budget.after_step(trained)) is not None:
-                plan(run, planned)
+                plan(run, planned, bar, epoch)
             if run.budget.done(trained):
                 break
         if cfg.max_steps and progress.global_step >= cfg.max_steps:
@@ -346,12 +346,19 @@ def train_epoch(run: Run, epoch: int) -> float:
     run.cut_short = remaining > 0
     if bar is not None:
         bar.close()
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    if run.budget is not None:  # an epoch too short to time: planned before its line
+        trained = epoch + progress.consumed / run.loaders.sampler.total
+        steps = progress.global_step - first
+        if (planned := run.budget.first_plan(trained, seconds, steps)) is not None:
+            plan(run, planned)
+    return seconds
 
 
-def plan(run: Run, epochs: float) -> None:
+def plan(run: Run, epochs: float, bar=None, epoch: int = 0) -> None:
     """The schedule ends at ``epochs`` (a fraction allowed): --budget's plan. A plan
-    that ends before --freeze-epochs thaws the backbone says so, once."""
+    that ends before --freeze-epochs thaws the backbone says so, once; the epoch's
+    progress bar, if any, counts to the new end."""
     freezing = run.cfg.freeze_epochs
     if freezing and epochs <= freezing and run.budget is not None and run.budget.planned:
         if not run.told_frozen:
@@ -364,6 +371,8 @@ def plan(run: Run, epochs: float) -> None:
     run.saver.schedule = run.schedule
     whole = max(math.ceil(epochs - 1e-9), 1)
     run.cfg = run.saver.cfg = dataclasses.replace(run.cfg, epochs=whole)
+    if bar is not None:
+        bar.set_description(f"epoch {epoch + 1}/{whole}")
 
 
 def train_step(run: Run, micro_batches: Iterator, count: int) -> int:

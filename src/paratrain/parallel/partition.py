@@ -13,6 +13,7 @@ original names, so the stages' state dicts together are the model's state dict.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
@@ -245,11 +246,28 @@ def sample_images(
     return sample.contiguous(memory_format=memory_format)
 
 
-def profile(traced: Traced, sample: torch.Tensor, repeats: int = 3) -> None:
+def profile(
+    traced: Traced, sample: torch.Tensor, repeats: int = 3, autocast: torch.dtype | None = None
+) -> None:
     """Per unit: forward + backward seconds (median of ``repeats`` after one warm-up)
-    and the bytes autograd saves for backward, at ``sample``'s batch size."""
+    and the bytes autograd saves for backward, at ``sample``'s batch size; under
+    ``autocast`` (the run's mixed precision) what it saves then, half-size copies
+    of inputs and weights included."""
+    cast = (
+        (lambda: torch.autocast(sample.device.type, dtype=autocast))
+        if autocast is not None
+        else contextlib.nullcontext
+    )
     stages = build_stages(traced, list(range(len(traced.units))))
     weights = {t.untyped_storage().data_ptr() for t in traced.graph.parameters()}
+    # autocast's half-size copies of the weights are saved too; they do not grow with
+    # the batch, so they are not activations (known by a weight's shape in that dtype,
+    # or a matrix's transposed: linear saves its weight's t())
+    shapes = {
+        s
+        for p in traced.graph.parameters()
+        for s in (tuple(p.shape), tuple(p.mT.shape) if p.dim() == 2 else ())
+    }
     timings: list[list[float]] = [[] for _ in stages]
     saved = [0] * len(stages)
     for attempt in range(repeats + 1):
@@ -262,12 +280,14 @@ def profile(traced: Traced, sample: torch.Tensor, repeats: int = 3) -> None:
 
             def pack(tensor: torch.Tensor, seen=seen) -> torch.Tensor:
                 storage = tensor.untyped_storage()
+                if tensor.dtype == autocast and tuple(tensor.shape) in shapes:
+                    return tensor  # a weight's autocast copy
                 if storage.data_ptr() not in weights:  # a weight's view (linear's t())
                     seen[storage.data_ptr()] = storage.nbytes()
                 return tensor
 
             start = time.perf_counter()
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast():
                 x = stage(x)
             forward.append(time.perf_counter() - start)
             outputs.append(x)
@@ -343,13 +363,14 @@ def user_starts(
     return stage_starts(traced.names, split_points, stages) if split_points else None
 
 
-def measure(traced: Traced, sample: torch.Tensor) -> None:
-    """Profile the units in training mode, leaving weights, buffers and RNG as found."""
+def measure(traced: Traced, sample: torch.Tensor, autocast: torch.dtype | None = None) -> None:
+    """Profile the units in training mode (under ``autocast`` where the run computes
+    in a lower precision), leaving weights, buffers and RNG as found."""
     was_training = traced.graph.training
     buffers = {name: b.clone() for name, b in traced.graph.named_buffers()}
     traced.graph.train()
     with torch.random.fork_rng(devices=[]):
-        profile(traced, sample)
+        profile(traced, sample, autocast=autocast)
     traced.profiled_batch = len(sample)
     traced.graph.train(was_training)
     with torch.no_grad():
@@ -388,13 +409,14 @@ def plan_stages(
     batch: int | None = None,
     slots: int = 1,
     limit: int | None = None,
+    autocast: torch.dtype | None = None,
 ) -> tuple[Traced, list[int]]:
     """Trace, profile and choose where the stages start: the user's split points, or
     balanced by measured time with every stage's training memory at ``batch`` within
     ``limit``. The profile runs on ``sample``'s device."""
     traced = trace(model, model_name)
     starts = user_starts(traced, stages, split_points, model_name)
-    measure(traced, sample)
+    measure(traced, sample, autocast)
     if starts is None:
         starts = choose_starts(traced, stages, batch or len(sample), slots, limit)
     return traced, starts
