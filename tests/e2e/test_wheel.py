@@ -34,8 +34,8 @@ def _run(*command, cwd: Path) -> subprocess.CompletedProcess:
 def test_the_wheel_installs_into_a_fresh_environment_and_runs(tmp_path):
     dist = tmp_path / "dist"
     _run(
-        sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-        "-w", str(dist), str(ROOT), cwd=tmp_path,
+        sys.executable, "-m", "build", "--wheel", "--no-isolation",
+        "--outdir", str(dist), str(ROOT), cwd=tmp_path,
     )  # fmt: skip
     [wheel] = dist.glob("paratrain-*.whl")
     assert wheel.name.startswith(f"paratrain-{paratrain.__version__}-")

@@ -38,7 +38,10 @@ SAFETY = 0.02  # of the budget, kept back for what the plan cannot see (the last
 EXIT = 2.0  # seconds kept back for the processes to end (measured: 2.5 s for 2 on a CPU)
 SHORT = 10.0  # auto: fewer epochs than this at the sizes as given, the low-res recipe
 SMALLEST = 16  # auto: no low-res recipe that would train below this many pixels
-SLACK = 0.02  # of the budget (at least a second): a re-plan closer than this keeps the plan
+# a re-plan keeps the plan while the end it predicts is within a tenth of the time left
+# (so epoch-to-epoch noise early in a long run does not move the counter), at least 2%
+# of the budget and a second; near the end that is what the run may miss by
+SLACK, DRIFT = 0.02, 0.1
 TRAIN_SHARE, EVAL_SHARE = 5 / 8, 3 / 4  # low-res: of the training and validation sizes
 
 
@@ -100,12 +103,17 @@ class Budget:
 
     def after_epoch(self, done: float, epoch_seconds: float) -> float:
         """Plan again from the epochs' real cost (training, evaluation and checkpoint):
-        the median of the last three, the first left out once there are others (it pays
-        once for what the next ones do not: the first evaluation, the first plot)."""
+        the mean of the last eight, the first left out (it pays once for what the next
+        ones do not: the first evaluation, the first plot; after it the plan made from
+        the steps stands, measured closer to the next epochs than the first was). A
+        mean, since epochs differ by what they write (a new best.pt, or not): measured
+        on the digits, a median of three swung by 15% from epoch to epoch."""
         self.epoch_costs.append(epoch_seconds)
         self.last_step = None  # the next epoch's first step starts a new interval
+        if len(self.epoch_costs) == 1 and self.planned is not None:
+            return self.planned  # the steps' plan stands until an epoch without first times
         costs = self.epoch_costs[1:] or self.epoch_costs
-        cost = statistics.median(costs[-3:])
+        cost = statistics.fmean(costs[-8:])
         return self._plan(done, cost, f"{cost:.2f} s an epoch with its evaluation and save")
 
     def _plan(self, done: float, epoch_seconds: float, how: str) -> float:
@@ -120,7 +128,9 @@ class Budget:
         if self.planned is None:
             self.planned = fits
             get_logger().info(self._first_words(fits, left, how))
-        elif abs(fits - self.planned) * epoch_seconds > max(SLACK * self.seconds, 1.0):
+        elif abs(fits - self.planned) * epoch_seconds > max(
+            SLACK * self.seconds, 1.0, DRIFT * left
+        ):
             before, self.planned = self.planned, fits
             if math.ceil(before - 1e-9) != math.ceil(fits - 1e-9):  # the counter's total
                 get_logger().info(
