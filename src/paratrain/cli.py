@@ -140,7 +140,7 @@ def add_settings(
                 groups[s.rule.group] = parser.add_argument_group(s.rule.group)
             target = groups[s.rule.group]
         shown = S if s.rule.hidden else s.help_text()
-        options = s.rule.options
+        options = None if s.rule.listed else s.rule.options  # a list: the schema checks it
         metavar = s.rule.metavar or ("{" + ",".join(options) + "}" if options else None)
         if s.rule.positional:
             default = s.default if s.rule.nargs == "?" else S

@@ -41,7 +41,7 @@ def tracked(tmp_path_factory):
             "--output-dir",
             str(root / "runs"),
             "--logger",
-            "tensorboard,mlflow,wandb,csv",
+            "tensorboard,mlflow,wandb,csv,jsonl",
         ]
         first = main([*common, "--epochs", "2"])
         ids = json.loads((root / "runs/t/trackers.json").read_text())
@@ -64,6 +64,23 @@ def test_csv_has_every_step_once_from_one_rank(tracked):
     steps = _steps(runs)
     assert steps == list(range(1, len(steps) + 1))  # one writer, resumed without repeats
     assert len(steps) == 3 * 3  # 24 training images, 2 x 4 a step: 3 steps an epoch
+
+
+def test_jsonl_holds_the_settings_every_step_and_epoch_and_the_end(tracked):
+    """The tracker added as one file and one registry line (report/trackers/jsonl.py)."""
+    runs, _ = tracked
+    lines = [json.loads(x) for x in (runs / "t/trackers.jsonl").read_text().splitlines()]
+    assert lines[0]["kind"] == "settings" and lines[0]["settings"]["model"] == "resnet18"
+    assert [r["kind"] for r in lines].count("settings") == 1  # the resumed run appended
+    assert [r["step"] for r in lines if r["kind"] == "step"] == _steps(runs)
+    epochs = [r for r in lines if r["kind"] == "epoch"]
+    assert [r["epoch"] for r in epochs] == [1, 2, 3]
+    assert [r["epoch/val_top1"] for r in epochs] == pytest.approx(
+        [r["val_top1"] for r in _metrics(runs)]
+    )
+    finish = [r for r in lines if r["kind"] == "finish"]
+    assert finish[-1]["checkpoint"] == str(runs / "t/checkpoints/last.pt")
+    assert all(isinstance(r["time"], float) for r in lines)
 
 
 def test_mlflow_holds_one_run_with_settings_scalars_curves_and_checkpoint(tracked, monkeypatch):
@@ -144,7 +161,7 @@ def test_an_unknown_tracker_is_one_line(capsys):
     assert main(["train", "--logger", "tensorboard,comet", "--dry-run"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("paratrain: error: --logger") and "\n" not in err
-    assert "tensorboard, mlflow, wandb or csv" in err
+    assert "one or more of tensorboard, mlflow, wandb, csv, jsonl, comma-separated" in err
 
 
 def test_an_online_wandb_server_that_does_not_answer_is_found_before_the_launch(monkeypatch):

@@ -53,6 +53,7 @@ class Rule:
     # choices kept by another package, as "module:attribute" (a mapping of name to its
     # one-line summary, or a sequence of names): --strategy's registry, parallel/__init__
     choices_from: str | None = None
+    listed: bool = False  # a comma-separated list of the options (--logger a,b), not one
     # on --resume: "told" (may change; said), "quiet" (may change unremarked), "fixed"
     # (refused: resume_why says why), "fixed_mid_epoch" (refused inside an epoch: it
     # makes the epoch's order)
@@ -188,7 +189,9 @@ def _kind(hint: Any) -> tuple[type, bool]:
 def describe(s: Setting) -> str:
     """What a setting accepts, in words: the end of "--flag must be ..."."""
     r = s.rule
-    if r.options is not None:
+    if r.options is not None and r.listed:
+        words = "one or more of " + ", ".join(r.options) + ", comma-separated"
+    elif r.options is not None:
         words = "one of " + ", ".join(r.options)
     elif r.pattern_text:
         words = r.pattern_text
@@ -259,7 +262,10 @@ def check_value(s: Setting, value: Any) -> None:
         raise bad
     if not value and not s.rule.empty_ok:
         raise UserError(f"{s.flag} must not be empty")
-    if s.rule.options is not None and value not in s.rule.options:
+    if s.rule.options is not None and s.rule.listed:
+        if not all(word in s.rule.options for word in value.split(",")):
+            raise bad
+    elif s.rule.options is not None and value not in s.rule.options:
         raise bad
     if s.rule.pattern is not None and not re.fullmatch(s.rule.pattern, value):
         raise bad

@@ -40,8 +40,7 @@ MAX_IMAGE_SIZE = 4096
 INTERPOLATIONS = ("bilinear", "bicubic")  # how images are resized
 TIMM_PREFIX = "timm/"  # --model timm/<name>: a timm model
 DURATION = r"(\d+(\.\d+)?[smh])+"  # 90s, 15m, 2h, 1h30m
-TRACKER = r"(tensorboard|mlflow|wandb|csv)"
-LOGGERS = rf"{TRACKER}(,{TRACKER})*"
+TRACKERS = "paratrain.report.trackers:TRACKERS"  # the registry of --logger's names
 NUMBERS3 = r"\s*[0-9.eE+-]+\s*,\s*[0-9.eE+-]+\s*,\s*[0-9.eE+-]+\s*"  # R,G,B
 # what a named --weights brings (mean, std, sizes, interpolation): its registry's
 # metadata, read by the models package (config never imports it)
@@ -715,12 +714,10 @@ class TrainConfig(Options):
     )
     logger: str | None = setting(
         None,
-        "experiment trackers, comma-separated: tensorboard (<run>/tensorboard), mlflow "
-        "(MLFLOW_TRACKING_URI, else <output dir>/mlruns), wandb (<run>/wandb; offline "
-        "without an API key), csv (per-step <run>/steps.csv); each needs its extra",
+        "experiment trackers, comma-separated; each needs its extra, if any",
         group="output",
-        pattern=LOGGERS,
-        pattern_text="tensorboard, mlflow, wandb or csv, comma-separated",
+        choices_from=TRACKERS,
+        listed=True,
         metavar="NAME[,NAME]",
         resume="quiet",
     )

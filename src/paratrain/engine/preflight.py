@@ -17,6 +17,7 @@ from paratrain.distributed.env import DistEnv, detect
 from paratrain.distributed.launch import CHECKED
 from paratrain.errors import UserError
 from paratrain.parallel.base import get as strategy_of
+from paratrain.report.trackers.base import kind as tracker_kind
 from paratrain.version import install_extra
 
 
@@ -67,21 +68,19 @@ def check_settings(cfg: TrainConfig, world: int | None, model: bool = False) -> 
 EXTRAS = (
     ("timm", "timm", lambda cfg: cfg.model.startswith("timm/"), "--model timm/..."),
     ("timm", "timm", lambda cfg: cfg.opt in ("lars", "lamb"), "--opt lars and lamb"),
-    (
-        "tensorboard",
-        "tensorboard",
-        lambda c: "tensorboard" in c.loggers,
-        "--logger tensorboard",
-    ),
-    ("mlflow", "mlflow", lambda c: "mlflow" in c.loggers, "--logger mlflow"),
-    ("wandb", "wandb", lambda c: "wandb" in c.loggers, "--logger wandb"),
 )
 
 
 def check_extras(cfg: TrainConfig) -> None:
-    """An option whose package is not installed: one line naming what to install."""
-    for module, extra, wanted, what in EXTRAS:
-        if wanted(cfg) and importlib.util.find_spec(module) is None:
+    """An option whose package is not installed: one line naming what to install (a
+    tracker's package and extra are its registry entry's)."""
+    needed = [(module, extra, what) for module, extra, wanted, what in EXTRAS if wanted(cfg)]
+    for name in cfg.loggers:
+        tracker = tracker_kind(name)
+        if tracker.package is not None and tracker.extra is not None:
+            needed.append((tracker.package, tracker.extra, f"--logger {name}"))
+    for module, extra, what in needed:
+        if importlib.util.find_spec(module) is None:
             raise UserError(f"{what} needs the {module} package: {install_extra(extra)}")
 
 

@@ -16,6 +16,8 @@ from paratrain.config.run_dirs import already_holds_a_run, claim_checkpoints, cl
 from paratrain.engine import sharded
 from paratrain.errors import UserError
 from paratrain.files import try_lock
+from paratrain.report.trackers import TRACKERS
+from paratrain.report.trackers.base import kind as tracker_kind
 
 if TYPE_CHECKING:
     from filelock import BaseFileLock
@@ -157,11 +159,8 @@ STARTED_FILES = {
     "checkpoints",
     "metrics.csv",
     "metrics.jsonl",
-    # --logger's trackers, opened before the first step
-    "tensorboard",
-    "wandb",
-    "steps.csv",
-    "trackers.json",
+    # --logger's trackers, opened before the first step: what each says it writes
+    *(entry for name in TRACKERS for entry in tracker_kind(name).writes),
 }
 
 

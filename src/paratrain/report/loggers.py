@@ -1,52 +1,35 @@
-"""Experiment trackers (``--logger tensorboard,mlflow,wandb,csv``), written by rank 0.
+"""Experiment trackers (``--logger tensorboard,mlflow,wandb,csv,jsonl``), written by rank 0.
 
 Every tracker receives the same things: the run's settings once, per step the scalars
 of rank 0's batches (``train/loss``, ``train/acc``, ``train/lr``, ``train/images_per_s``;
 on CUDA summed over the steps between two reads, so that no step waits for the device),
 per epoch every number of the metrics row under ``epoch/``, and at the end the curves
-image and the final checkpoint's path. Each package is an optional extra, imported only
-when its tracker is asked for. The ids of the MLflow and W&B runs are kept in
+image and the final checkpoint's path. Each tracker is a module of report/trackers/
+(its registry: report/trackers/__init__.py); its package is an optional extra,
+imported only when it is asked for. The ids of the MLflow and W&B runs are kept in
 ``<run>/trackers.json``, so a resumed run goes on logging into the same tracked run.
 """
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any
 
 from paratrain.errors import UserError
 from paratrain.log import get_logger
+from paratrain.report.trackers.base import Tracker, kind
 
 if TYPE_CHECKING:
     import torch
 
-# the trackers --logger takes, and the package each needs
-TRACKERS = {
-    "tensorboard": "tensorboard",
-    "mlflow": "mlflow",
-    "wandb": "wandb",
-    "csv": None,
-}
 IDS = "trackers.json"
 # the trackers found unreachable before the launch under --on-tracker-error warn: the
 # run's processes (which inherit it) leave them out rather than wait for them again
 DOWN = "PARATRAIN_TRACKERS_DOWN"
-
-
-class Tracker(Protocol):
-    def step(self, step: int, scalars: dict[str, float]) -> None: ...
-
-    def epoch(self, epoch: int, step: int, scalars: dict[str, float]) -> None: ...
-
-    def finish(self, curves: Path | None, checkpoint: Path | None) -> None: ...
-
-    def close(self, failed: bool) -> None: ...
 
 
 class Loggers:
@@ -71,7 +54,7 @@ class Loggers:
             bound_requests(timeout)
         for name in (n for n in names if n not in down):
             try:
-                self.trackers.append(_Guarded(name, _OPEN[name](run_dir, settings, ids)))
+                self.trackers.append(_Guarded(name, kind(name).open(run_dir, settings, ids)))
             except Exception as exc:  # a server, a store, a package: whatever it raised
                 told = f"--logger {name} cannot start: {cause(exc)}"
                 if on_error == "fail":
@@ -189,42 +172,11 @@ def unreachable(names: tuple[str, ...], timeout: float) -> dict[str, str]:
     seconds -> why (trackers that write local files answer always)."""
     found = {}
     for name in names:
-        reach = _REACH.get(name)
+        reach = kind(name).reach
         why = reach(timeout) if reach is not None else None
         if why:
             found[name] = why
     return found
-
-
-def _answers(url: str, timeout: float) -> str | None:
-    """None when ``url`` answers (any HTTP status), else why not."""
-    import urllib.error
-    import urllib.request
-
-    try:
-        urllib.request.urlopen(url, timeout=timeout).close()
-    except urllib.error.HTTPError:
-        return None  # it answered, if not with 200
-    except (OSError, ValueError) as exc:  # URLError, refused, timed out, a bad URL
-        reason = getattr(exc, "reason", None) or exc
-        return f"{url} did not answer within {timeout:g} s ({reason})"
-    return None
-
-
-def _reach_mlflow(timeout: float) -> str | None:
-    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
-    if uri.startswith(("http://", "https://")):
-        return _answers(uri.rstrip("/") + "/health", timeout)
-    return None  # a file store or a database: opened by the run itself
-
-
-def _reach_wandb(timeout: float) -> str | None:
-    if os.environ.get("WANDB_MODE") in ("offline", "disabled", "dryrun") or not _wandb_key():
-        return None  # offline: nothing to reach
-    return _answers(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"), timeout)
-
-
-_REACH: dict[str, Callable[[float], str | None]] = {"mlflow": _reach_mlflow, "wandb": _reach_wandb}
 
 
 def _read_ids(run_dir: Path) -> dict[str, str]:
@@ -232,178 +184,3 @@ def _read_ids(run_dir: Path) -> dict[str, str]:
         return json.loads((run_dir / IDS).read_text())
     except (OSError, ValueError):
         return {}
-
-
-def _flat(settings: dict[str, Any]) -> dict[str, str]:
-    """Settings as trackers' parameters take them: strings, None as empty."""
-    return {k: "" if v is None else str(v) for k, v in settings.items()}
-
-
-class TensorBoardTracker:
-    """SummaryWriter scalars in <run>/tensorboard; the settings as text."""
-
-    def __init__(self, run_dir: Path, settings: dict, ids: dict):
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-        table = "\n".join(f"| {k} | {v} |" for k, v in _flat(settings).items())
-        self.writer.add_text("config", "| setting | value |\n|---|---|\n" + table, 0)
-
-    def step(self, step: int, scalars: dict[str, float]) -> None:
-        for key, value in scalars.items():
-            self.writer.add_scalar(key, value, step)
-
-    def epoch(self, epoch: int, step: int, scalars: dict[str, float]) -> None:
-        for key, value in scalars.items():
-            self.writer.add_scalar(key, value, epoch)
-        self.writer.flush()
-
-    def finish(self, curves: Path | None, checkpoint: Path | None) -> None:
-        if checkpoint is not None:
-            self.writer.add_text("final_checkpoint", str(checkpoint), 0)
-
-    def close(self, failed: bool) -> None:
-        self.writer.close()
-
-
-class CsvTracker:
-    """Per-step scalars in <run>/steps.csv (the epochs are in metrics.csv, the settings
-    in config.yaml, as every run writes them)."""
-
-    COLUMNS = ["step", "train/loss", "train/acc", "train/lr", "train/images_per_s"]
-
-    def __init__(self, run_dir: Path, settings: dict, ids: dict):
-        self.path = run_dir / "steps.csv"
-        if not self.path.exists():
-            with self.path.open("w", newline="") as handle:
-                csv.writer(handle).writerow(self.COLUMNS)
-
-    def step(self, step: int, scalars: dict[str, float]) -> None:
-        with self.path.open("a", newline="") as handle:
-            csv.writer(handle).writerow([step, *(f"{scalars[k]:.6g}" for k in self.COLUMNS[1:])])
-
-    def epoch(self, epoch: int, step: int, scalars: dict[str, float]) -> None:
-        pass  # metrics.csv has them
-
-    def finish(self, curves: Path | None, checkpoint: Path | None) -> None:
-        pass  # curves.png and the checkpoints are in the run folder
-
-    def close(self, failed: bool) -> None:
-        pass
-
-
-class MlflowTracker:
-    """An MLflow run in MLFLOW_TRACKING_URI when set (a server, a database), else in a
-    local file store, <output dir>/mlruns; the experiment MLFLOW_EXPERIMENT_NAME or
-    'paratrain'. Settings as parameters, scalars as metrics (epoch ones by epoch), the
-    curves as an artifact, the final checkpoint's path as the tag final_checkpoint."""
-
-    def __init__(self, run_dir: Path, settings: dict, ids: dict):
-        from mlflow.tracking import MlflowClient
-
-        uri = os.environ.get("MLFLOW_TRACKING_URI")
-        if not uri:  # the one store the mlflow-skinny client writes without a server
-            uri = (run_dir.parent / "mlruns").resolve().as_uri()
-        if uri.startswith("file:"):  # asked for (or the default): MLflow 3 wants it said
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        self.client = MlflowClient(uri)
-        if "mlflow" in ids:
-            self.run_id = ids["mlflow"]
-            self.client.update_run(self.run_id, status="RUNNING")
-            return
-        name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "paratrain")
-        found = self.client.get_experiment_by_name(name)
-        experiment = found.experiment_id if found else self.client.create_experiment(name)
-        self.run_id = self.client.create_run(experiment, run_name=run_dir.name).info.run_id
-        ids["mlflow"] = self.run_id
-        from mlflow.entities import Param
-
-        params = [Param(k, v[:6000]) for k, v in _flat(settings).items()]
-        for start in range(0, len(params), 100):  # MLflow takes 100 parameters a batch
-            self.client.log_batch(self.run_id, params=params[start : start + 100])
-        get_logger().info(f"MLflow: run {self.run_id} in {uri}")
-
-    def _metrics(self, scalars: dict[str, float], step: int) -> None:
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        metrics = [Metric(k, v, now, step) for k, v in scalars.items()]
-        self.client.log_batch(self.run_id, metrics=metrics)
-
-    def step(self, step: int, scalars: dict[str, float]) -> None:
-        self._metrics(scalars, step)
-
-    def epoch(self, epoch: int, step: int, scalars: dict[str, float]) -> None:
-        self._metrics(scalars, epoch)
-
-    def finish(self, curves: Path | None, checkpoint: Path | None) -> None:
-        if curves is not None:
-            self.client.log_artifact(self.run_id, str(curves))
-        if checkpoint is not None:
-            self.client.set_tag(self.run_id, "final_checkpoint", str(checkpoint))
-
-    def close(self, failed: bool) -> None:
-        self.client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
-
-
-class WandbTracker:
-    """A W&B run in <run>/wandb, project WANDB_PROJECT or 'paratrain', named as the run.
-    Offline (``wandb sync`` it later) when WANDB_MODE says so or no API key is set (no
-    login prompt on a cluster's node); epoch scalars plotted against epoch."""
-
-    def __init__(self, run_dir: Path, settings: dict, ids: dict):
-        import wandb
-
-        mode = os.environ.get("WANDB_MODE")
-        if mode is None and not _wandb_key():
-            mode = "offline"
-            get_logger().info(f"W&B: no API key, logging offline to {run_dir / 'wandb'}")
-        self.wandb = wandb
-        self.run = wandb.init(
-            project=os.environ.get("WANDB_PROJECT", "paratrain"),
-            name=run_dir.name,
-            dir=str(run_dir),
-            config=settings,
-            mode=cast(Any, mode),
-            id=ids.get("wandb"),
-            resume="allow",
-            settings=wandb.Settings(silent=True),
-        )
-        ids["wandb"] = self.run.id
-        self.run.define_metric("epoch")
-        self.run.define_metric("epoch/*", step_metric="epoch")
-
-    def step(self, step: int, scalars: dict[str, float]) -> None:
-        self.run.log(scalars, step=step)
-
-    def epoch(self, epoch: int, step: int, scalars: dict[str, float]) -> None:
-        self.run.log({**scalars, "epoch": epoch}, step=step)
-
-    def finish(self, curves: Path | None, checkpoint: Path | None) -> None:
-        if curves is not None:
-            self.run.log({"curves": self.wandb.Image(str(curves))})
-        if checkpoint is not None:
-            self.run.summary["final_checkpoint"] = str(checkpoint)
-
-    def close(self, failed: bool) -> None:
-        self.run.finish(exit_code=1 if failed else 0)
-
-
-def _wandb_key() -> bool:
-    """An API key in the environment or in ~/.netrc (where `wandb login` puts it)."""
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    import netrc
-
-    try:
-        return netrc.netrc().authenticators("api.wandb.ai") is not None
-    except (OSError, netrc.NetrcParseError):
-        return False
-
-
-_OPEN: dict[str, Callable[[Path, dict, dict], Tracker]] = {
-    "tensorboard": TensorBoardTracker,
-    "csv": CsvTracker,
-    "mlflow": MlflowTracker,
-    "wandb": WandbTracker,
-}
