@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -43,6 +44,9 @@ from paratrain.errors import UserError
 from paratrain.log import mark_start
 from paratrain.version import __version__
 
+# seconds a rank other than 0 waits, after an error every rank raised, for rank 0 to
+# tell it and end (its end stops the wait: the launcher then ends the other ranks)
+AGREED_GRACE = 10.0
 S = argparse.SUPPRESS  # a flag the user did not give stays absent: defaults and presets fill it
 
 
@@ -289,6 +293,11 @@ def _guarded(call: Callable[[], int]) -> int:
     except UserError as exc:
         if not exc.agreed or os.environ.get("RANK", "0") == "0":
             _report(str(exc))  # an error every rank agreed on is told once, by rank 0
+        elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # rank 0 tells it: a rank that ended first would have the launcher stop rank 0
+            # before its line was out (seen once: exit 2 and nothing said); rank 0's end
+            # stops this wait, as the launcher then ends the others
+            time.sleep(AGREED_GRACE)
         return exc.exit_code
     except Preempted as exc:
         print(f"paratrain: {_where()}{exc}", file=sys.stderr)

@@ -56,59 +56,54 @@ def test_the_first_plan_comes_from_the_first_steps(monkeypatch):
     assert planned[5] == pytest.approx(0.25 + plan.left() / epoch)
 
 
-def test_a_re_plan_within_the_slack_keeps_the_plan_and_a_new_end_is_said(monkeypatch, caplog):
+def test_a_re_plan_within_the_slack_keeps_the_plan_and_a_new_end_is_said(monkeypatch):
     """The epoch counter's total moves only when the plan does, and the line says why."""
-    import logging
-
+    said = _Said()
+    monkeypatch.setattr(budget_module, "get_logger", lambda: said)
     clock = {"now": 10.0}
     monkeypatch.setattr(budget_module, "since_start", lambda: clock["now"])
     plan = Budget(100.0, steps_per_epoch=10, val_batches=3)
     first = plan.after_epoch(1.0, 10.0)  # 1 + left / 10
     clock["now"] = 20.0
-    with caplog.at_level(logging.INFO, logger="paratrain"):
-        # 10.05 s an epoch: the end moves by less than the slack (2 s of 100): kept
-        assert plan.after_epoch(2.0, 10.05) == first
-        assert caplog.text == ""
-        clock["now"] = 35.0  # 15 s an epoch: the end comes nearer by whole epochs
-        moved = plan.after_epoch(3.0, 15.0)
+    told = len(said.lines)  # the first plan's line
+    # 10.05 s an epoch: the end moves by less than the slack: kept, and nothing said
+    assert plan.after_epoch(2.0, 10.05) == first
+    assert len(said.lines) == told
+    clock["now"] = 35.0  # 15 s an epoch: the end comes nearer by whole epochs
+    moved = plan.after_epoch(3.0, 15.0)
+    text = said.lines[-1]
     assert moved == pytest.approx(3 + plan.left() / 12.525)  # the mean of 10.05 and 15
-    assert f"{moved:.2f} epochs fit, not {first:.2f}" in caplog.text
-    assert "12.53 s an epoch" in caplog.text and "ends after epoch 8" in caplog.text
+    assert f"{moved:.2f} epochs fit, not {first:.2f}" in text
+    assert "12.53 s an epoch" in text and "ends after epoch 8" in text
 
 
-def test_a_budget_that_fits_no_whole_epoch_says_so_and_trains_what_fits(monkeypatch, caplog):
-    import logging
-
+def test_a_budget_that_fits_no_whole_epoch_says_so_and_trains_what_fits(monkeypatch):
+    said = _Said()
+    monkeypatch.setattr(budget_module, "get_logger", lambda: said)
     monkeypatch.setattr(budget_module, "since_start", lambda: 5.0)
     plan = Budget(30.0, steps_per_epoch=100, val_batches=10)
-    with caplog.at_level(logging.INFO, logger="paratrain"):
-        planned = plan.first_plan(0.1, train_seconds=6.0, steps=10)  # 0.6 s a step
+    planned = plan.first_plan(0.1, train_seconds=6.0, steps=10)  # 0.6 s a step
     assert planned is not None and 0 < planned < 1
-    assert (
-        "not one epoch fits" in caplog.text and f"training {planned:.2f} of an epoch" in caplog.text
-    )
+    assert "not one epoch fits" in said.lines[0]
+    assert f"training {planned:.2f} of an epoch" in said.lines[0]
     assert plan.first_plan(0.2, 1.0, 1) is None  # planned already: once
 
 
-def test_auto_keeps_the_sizes_where_low_res_would_train_too_small(caplog):
-    import logging
-
+def test_auto_keeps_the_sizes_where_low_res_would_train_too_small(monkeypatch):
     import torch
 
     from paratrain.distributed.env import DistEnv
     from paratrain.distributed.runtime import Runtime
 
     cfg = TrainConfig(data="d", image_size=16, budget="30s")
-    assert (
-        budget_module.may_choose(cfg)
-        and budget_module.low_res(cfg).train_size < budget_module.SMALLEST
-    )
-    with caplog.at_level(logging.INFO, logger="paratrain"):
-        chosen = budget_module.choose_recipe(
-            cfg, Runtime(env=DistEnv(), device=torch.device("cpu"), backend=None), 1000, 100, None
-        )
+    assert budget_module.may_choose(cfg)
+    assert budget_module.low_res(cfg).train_size < budget_module.SMALLEST
+    said = _Said()
+    monkeypatch.setattr(budget_module, "get_logger", lambda: said)
+    runtime = Runtime(env=DistEnv(), device=torch.device("cpu"), backend=None)
+    chosen = budget_module.choose_recipe(cfg, runtime, 1000, 100, None)
     assert chosen.budget_recipe == "fixed"
-    assert "low-res would train at 8 px, below 16" in caplog.text
+    assert said.lines == ["budget 30s: the sizes as given (low-res would train at 8 px, below 16)"]
 
 
 def test_progressive_sizes_rise_late_and_end_at_the_largest():

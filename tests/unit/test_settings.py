@@ -365,3 +365,26 @@ def test_paratrain_alone_lists_its_commands_and_version_prints():
 def test_every_command_has_help(name):
     code, out, _ = _run([name, "--help"])
     assert code == 0 and out.startswith("usage: paratrain")
+
+
+def test_an_error_every_rank_raised_is_told_by_rank_0_while_the_others_wait(monkeypatch, capsys):
+    """Seen once under load: rank 1 ended first with exit 2, the launcher stopped rank 0
+    before its line was out, and the run ended with exit 2 and nothing said. The other
+    ranks now wait for rank 0 (whose end has the launcher stop them)."""
+    from paratrain import cli
+    from paratrain.errors import AgreedUserError
+
+    waited: list[float] = []
+    monkeypatch.setattr(cli.time, "sleep", waited.append)
+
+    def agreed() -> int:
+        raise AgreedUserError("--split-points: 'layer9' does not begin a unit")
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert cli._guarded(agreed) == 2
+    assert waited == [cli.AGREED_GRACE] and capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    assert cli._guarded(agreed) == 2
+    assert waited == [cli.AGREED_GRACE]  # rank 0 does not wait: it tells
+    assert capsys.readouterr().err.count("--split-points: 'layer9'") == 1
