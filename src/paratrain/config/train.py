@@ -41,6 +41,7 @@ INTERPOLATIONS = ("bilinear", "bicubic")  # how images are resized
 TIMM_PREFIX = "timm/"  # --model timm/<name>: a timm model
 DURATION = r"(\d+(\.\d+)?[smh])+"  # 90s, 15m, 2h, 1h30m
 TRACKERS = "paratrain.report.trackers:TRACKERS"  # the registry of --logger's names
+SCORES = "paratrain.report.scores:SUMMARIES"  # the registry of --monitor's names
 NUMBERS3 = r"\s*[0-9.eE+-]+\s*,\s*[0-9.eE+-]+\s*,\s*[0-9.eE+-]+\s*"  # R,G,B
 # what a named --weights brings (mean, std, sizes, interpolation): its registry's
 # metadata, read by the models package (config never imports it)
@@ -181,10 +182,9 @@ class TrainConfig(Options):
     )
     monitor: str = setting(
         "top1",
-        "the validation figure that picks best.pt: top-1, macro-F1, balanced accuracy "
-        "(the mean of the classes' recalls) or the lowest loss",
+        "the validation score that picks best.pt (report/scores)",
         group="data",
-        choices=("top1", "macro_f1", "balanced_acc", "loss"),
+        choices_from=SCORES,
         resume="quiet",
     )
     tta: str = setting(

@@ -24,6 +24,8 @@ from paratrain.distributed.env import DistEnv
 from paratrain.errors import UserError
 from paratrain.models.registry import logits_of
 from paratrain.parallel.parts import ModelParts
+from paratrain.report.scores.base import Totals, compute_all, ranking
+from paratrain.report.scores.per_class import per_class
 
 
 @dataclass(frozen=True)
@@ -35,60 +37,34 @@ class EvalResult:
     confusion: torch.Tensor | None = None  # [true, predicted] counts over every rank
     predictions: list[tuple[int, int]] | None = None  # (dataset index, predicted class)
 
+    @property
+    def totals(self) -> Totals:
+        return Totals(self.loss, self.top1, self.top5, self.count, self.confusion)
+
+    def scores(self) -> dict[str, float | None]:
+        """Every registered score (report/scores), by name."""
+        return compute_all(self.totals)
+
     def as_dict(self) -> dict:
-        """The totals, for JSON and the metrics row."""
-        return {
-            "loss": self.loss,
-            "top1": self.top1,
-            "top5": self.top5,
-            "count": self.count,
-            "macro_f1": self.macro_f1,
-            "balanced_acc": self.balanced_accuracy,
-        }
+        """The totals and every score, for JSON."""
+        return {"count": self.count, **self.scores()}
 
     def per_class(self) -> list[dict[str, float | int | None]]:
         """Each class's precision, recall, F1 and support, from the exact confusion
-        matrix (so the same at every world size); None where undefined (no image of the
-        class, or none predicted as it)."""
-        if self.confusion is None:
-            return []
-        matrix = self.confusion.double()
-        hits, support, predicted = matrix.diagonal(), matrix.sum(dim=1), matrix.sum(dim=0)
-        rows = []
-        for i in range(matrix.shape[0]):
-            precision = float(hits[i] / predicted[i]) if predicted[i] else None
-            recall = float(hits[i] / support[i]) if support[i] else None
-            f1 = (
-                2 * precision * recall / (precision + recall)
-                if precision is not None and recall is not None and precision + recall > 0
-                else (0.0 if support[i] else None)
-            )
-            rows.append(
-                {"precision": precision, "recall": recall, "f1": f1, "support": int(support[i])}
-            )
-        return rows
+        matrix (so the same at every world size); None where undefined."""
+        return per_class(self.totals)
 
     @property
     def macro_f1(self) -> float | None:
-        """The mean F1 over the classes that have validation images."""
-        scores = [r["f1"] for r in self.per_class() if r["support"]]
-        return sum(scores) / len(scores) if scores else None  # type: ignore[arg-type]
+        return self.scores()["macro_f1"]
 
     @property
     def balanced_accuracy(self) -> float | None:
-        """The mean recall over the classes that have validation images."""
-        recalls = [r["recall"] for r in self.per_class() if r["support"]]
-        return sum(recalls) / len(recalls) if recalls else None  # type: ignore[arg-type]
+        return self.scores()["balanced_acc"]
 
     def score(self, monitor: str) -> float:
         """The figure --monitor picks the best checkpoint by (higher is better)."""
-        value = {
-            "top1": self.top1,
-            "macro_f1": self.macro_f1,
-            "balanced_acc": self.balanced_accuracy,
-            "loss": -self.loss,
-        }[monitor]
-        return float("-inf") if value is None or math.isnan(value) else float(value)
+        return ranking(monitor, self.scores()[monitor])
 
     def per_class_accuracy(self) -> list[float | None]:
         """Each class's share of correct predictions, from the confusion matrix (None for

@@ -9,20 +9,20 @@ import torch
 
 from paratrain.data.folder import DataSplit
 from paratrain.report.plots import plot_confusion
+from paratrain.report.scores import SCORES
+from paratrain.report.scores.base import shown
 
 
 def format_report(report: dict) -> str:
     """`paratrain eval`'s lines: the totals, then each class's accuracy."""
-    top5 = f"  top5 {report['top5']:.2%}" if report["top5"] is not None else ""
 
     def share(value) -> str:
         return "-" if value is None else f"{value:.2%}"
 
-    lines = [
-        f"{report['count']} images on {report['world_size']} process(es): "
-        f"loss {report['loss']:.4f}  top1 {report['top1']:.2%}{top5}  macro-F1 "
-        f"{share(report.get('macro_f1'))}  balanced accuracy {share(report.get('balanced_acc'))}"
-    ]
+    figures = "  ".join(
+        shown(name, report[name]) for name in SCORES if report.get(name) is not None
+    )  # every registered score the evaluation has (report/scores)
+    lines = [f"{report['count']} images on {report['world_size']} process(es): {figures}"]
     width = max(len("class"), *(len(name) for name in report["per_class"]))
     scores = report.get("per_class_scores", {})
     lines.append(f"  {'class'.ljust(width)}  accuracy  precision  recall  F1")

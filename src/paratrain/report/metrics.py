@@ -8,22 +8,22 @@ from pathlib import Path
 from typing import Any
 
 from paratrain.errors import told_if_full
+from paratrain.report.scores import SCORES
 
+# metrics.csv's columns: every registered score of the validation (report/scores)
+# among them; metrics.jsonl holds every key of the row
 COLUMNS = [
     "epoch",
     "lr",
     "train_loss",
     "train_acc",
-    "val_loss",
-    "val_top1",
-    "val_top5",
+    # the first three as ever (scripts read them by position), then every other score
+    *dict.fromkeys(["val_loss", "val_top1", "val_top5", *(f"val_{name}" for name in SCORES)]),
     "epoch_seconds",
     "train_images_per_s",
     "world_size",
     "val_loss_ema",
     "val_top1_ema",
-    "val_macro_f1",
-    "val_balanced_acc",
 ]
 
 
