@@ -1,0 +1,84 @@
+"""What the end-to-end training tests share: a small job's flags, running it as a user
+would (a subprocess of `paratrain train`), and reading what it saved."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from imagefolders import make_image_folder
+
+# 3 classes x 20 images: 48 train / 12 val; batch 4 x 2 processes = 6 steps per epoch
+FAST = ["--model", "resnet18", "--image-size", "16", "--batch-size", "4", "--workers", "0"]
+
+
+def env_for(root: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(PARATRAIN_CACHE=str(root / "cache"), PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+EVERY_2 = ["--deterministic", "--save-every-steps", "2"]
+
+
+def job(folder: Path, name: str, *extra: str, nproc: int = 2, epochs: int = 1) -> list[str]:
+    """The arguments of one small training job."""
+    return [
+        "--data",
+        str(folder),
+        "--nproc",
+        str(nproc),
+        "--epochs",
+        str(epochs),
+        "--name",
+        name,
+        *FAST,
+        *extra,
+    ]
+
+
+def run(root: Path, *args: str, timeout: float = 240, **env: str):
+    start = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "paratrain", "train", *args],
+        cwd=root,
+        env=env_for(root, **env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return out, time.monotonic() - start
+
+
+def leftover(tag: str) -> list[str]:
+    found = subprocess.run(["pgrep", "-af", "--", tag], capture_output=True, text=True).stdout
+    return [line for line in found.splitlines() if "pgrep" not in line]
+
+
+def weights(root: Path, name: str) -> dict[str, torch.Tensor]:
+    return torch.load(root / "runs" / name / "checkpoints" / "last.pt", weights_only=False)["model"]
+
+
+def small_data(root: Path) -> tuple[Path, Path]:
+    """The jobs' root folder and their image folder: 3 classes x 20 images."""
+    return root, make_image_folder(root / "data", classes=3, per_class=20)
+
+
+def assert_bitwise_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def last_weights(root: Path, name: str) -> dict[str, torch.Tensor]:
+    """The run's last weights, from one file or consolidated from its shards."""
+    from paratrain.engine import checkpoint
+
+    folder = root / "runs" / name / "checkpoints"
+    path = folder / "last.pt" if (folder / "last.pt").exists() else folder / "last"
+    return checkpoint.load(path).model
