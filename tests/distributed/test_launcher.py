@@ -17,6 +17,9 @@ def test_a_launch_leaves_the_sessions_signal_handlers_and_environment_as_they_we
     SIGUSR1, which paratrain has it handle) and leaves them; after a launch here Ctrl-C is still a KeyboardInterrupt, and the
     workers' thread count is not left behind for the session's later runs."""
     signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+    # a session as a notebook's or a terminal's is: Ctrl-C raises KeyboardInterrupt (a
+    # pytest-xdist worker ignores SIGINT, so the test sets it, and puts its own back)
+    worker = signal.signal(signal.SIGINT, signal.default_int_handler)
     before = {sig: signal.getsignal(sig) for sig in signals}
     omp = os.environ.pop("OMP_NUM_THREADS", None)
     try:
@@ -24,12 +27,13 @@ def test_a_launch_leaves_the_sessions_signal_handlers_and_environment_as_they_we
         assert {sig: signal.getsignal(sig) for sig in signals} == before
         assert "OMP_NUM_THREADS" not in os.environ
         assert "TORCHELASTIC_SIGNALS_TO_HANDLE" not in os.environ
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # delivered before it ends
     finally:
+        signal.signal(signal.SIGINT, worker)
         if omp is not None:
             os.environ["OMP_NUM_THREADS"] = omp
-    with pytest.raises(KeyboardInterrupt):
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(1)  # delivered before it ends
 
 
 def test_the_readme_lists_the_preemption_signals_the_launcher_and_the_ranks_handle():

@@ -21,19 +21,19 @@ def data(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def test_a_budget_ends_on_time_and_a_resumed_run_keeps_what_is_left(data):
-    """--budget 2m, stopped a third of the way and resumed: the saved checkpoint says
+    """--budget 90s, stopped about a third of the way and resumed: the saved checkpoint says
     what was spent, the resumed run plans the rest, and the two together end within 5%
     of the budget; the size grows over the run (--progressive) and evaluation averages
     each image with its mirror (--tta flip)."""
     root, folder = data
-    budget = 120.0
+    budget = 90.0
     common = job(
-        folder, "budget", "--budget", "2m", "--progressive", "16:32", "--tta", "flip",
+        folder, "budget", "--budget", "90s", "--progressive", "16:32", "--tta", "flip",
         "--save-every-steps", "20", epochs=3,
     )  # fmt: skip
-    crashed, first_wall = run(root, *common, PARATRAIN_INJECT="rank=1,step=150,kind=raise")
+    crashed, first_wall = run(root, *common, PARATRAIN_INJECT="rank=1,step=110,kind=raise")
     assert crashed.returncode != 0
-    assert "budget 2m: " in crashed.stdout and "epochs fit in the" in crashed.stdout
+    assert "budget 1m30s: " in crashed.stdout and "epochs fit in the" in crashed.stdout
     assert "training at 16px" in crashed.stdout
     spent = torch.load(root / "runs/budget/checkpoints/last.pt", weights_only=False)["progress"][
         "seconds"
