@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -41,9 +42,13 @@ class EvalResult:
     def totals(self) -> Totals:
         return Totals(self.loss, self.top1, self.top5, self.count, self.confusion)
 
+    @cached_property
+    def _scores(self) -> dict[str, float | None]:
+        return compute_all(self.totals)  # once per result: the row, --monitor, the report
+
     def scores(self) -> dict[str, float | None]:
         """Every registered score (report/scores), by name."""
-        return compute_all(self.totals)
+        return dict(self._scores)
 
     def as_dict(self) -> dict:
         """The totals and every score, for JSON."""
@@ -56,15 +61,15 @@ class EvalResult:
 
     @property
     def macro_f1(self) -> float | None:
-        return self.scores()["macro_f1"]
+        return self._scores["macro_f1"]
 
     @property
     def balanced_accuracy(self) -> float | None:
-        return self.scores()["balanced_acc"]
+        return self._scores["balanced_acc"]
 
     def score(self, monitor: str) -> float:
         """The figure --monitor picks the best checkpoint by (higher is better)."""
-        return ranking(monitor, self.scores()[monitor])
+        return ranking(monitor, self._scores[monitor])
 
     def per_class_accuracy(self) -> list[float | None]:
         """Each class's share of correct predictions, from the confusion matrix (None for
