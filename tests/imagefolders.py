@@ -152,3 +152,20 @@ def make_shards(
     if names_file:
         (root / "classes.txt").write_text("".join(f"class_{c}\n" for c in range(classes)))
     return root
+
+
+def make_csv_listing(root: Path, classes: int = 3, per_class: int = 16, split: bool = True) -> Path:
+    """A flat folder of images and ``root/labels.csv`` naming each one's class (and, with
+    ``split``, its side: every fourth of a class to val): the Kaggle layout."""
+    made = make_image_folder(root / "tmp", classes=classes, per_class=per_class)
+    images = root / "images"
+    images.mkdir(parents=True)
+    rows = ["file,label" + (",split" if split else "")]
+    for folder in sorted(made.iterdir()):
+        for i, path in enumerate(sorted(folder.iterdir())):
+            name = f"{folder.name}-{path.name}"
+            path.rename(images / name)
+            side = ",val" if i % 4 == 3 else ",train"
+            rows.append(f"images/{name},{folder.name}" + (side if split else ""))
+    (root / "labels.csv").write_text("\n".join(rows) + "\n")
+    return root / "labels.csv"

@@ -72,7 +72,7 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, say: Say = print) -> dict 
     launcher, whose workers report through the run directory, and for a dry run."""
     from paratrain.bench import autopilot
     from paratrain.config import preset_notes
-    from paratrain.data.sources import handed_over
+    from paratrain.data.sources.base import handed_over
     from paratrain.engine import preflight
     from paratrain.engine.describe import dry_run as describe
     from paratrain.engine.describe import embedded_data

@@ -85,30 +85,30 @@ def test_bad_images_error_then_skip_on_two_processes(tmp_path):
     assert report["count"] == int(counts[1]) - 1
 
 
-@pytest.mark.parametrize("kind", ["dataset folder", "shards"])
+@pytest.mark.parametrize("kind", ["dataset folder", "shards", "csv"])
 def test_training_on_sources_that_are_not_folders(tmp_path, kind):
-    """Two processes train on a Hugging Face dataset folder and on WebDataset shards
-    (the cache built, then read), evaluating every validation image exactly once."""
+    """Two processes train on a Hugging Face dataset folder, on WebDataset shards and on
+    a CSV listing (the cache built, then read), evaluating every validation image once."""
     pytest.importorskip("datasets")
     pytest.importorskip("webdataset")
-    from imagefolders import make_hf_dataset, make_shards
+    from imagefolders import make_csv_listing, make_hf_dataset, make_shards
 
-    if kind == "dataset folder":
+    extra: list[str] = []
+    if kind == "csv":
+        data = f"csv:{make_csv_listing(tmp_path / 'listed', classes=3, per_class=16)}"
+    elif kind == "dataset folder":
         data = str(make_hf_dataset(tmp_path / "hf"))
-        expected_val = 12
-        extra: list[str] = []
     else:
         shards = make_shards(tmp_path / "wds", shards=3, label="name", names_file=True)
         make_shards(tmp_path / "wds", shards=1, prefix="val", label="name")
         data = f"wds:{shards}/shard-{{000..002}}.tar"
-        expected_val = 12
         extra = ["--val-split", f"wds:{shards}/val-000.tar"]
     done = _run(tmp_path, "--data", data, "--name", "run", *extra, *FAST, "--cache", "on")
     assert done.returncode == 0, done.stderr
     rows = [
         json.loads(line) for line in (tmp_path / "runs/run/metrics.jsonl").read_text().splitlines()
     ]
-    assert rows[-1]["val_count"] == expected_val
+    assert rows[-1]["val_count"] == 12
     assert "36 train / 12 val images (given)" in done.stdout
     classes = json.loads((tmp_path / "runs/run/class_indices.json").read_text())
     assert classes == {"0": "class_0", "1": "class_1", "2": "class_2"}
@@ -116,7 +116,7 @@ def test_training_on_sources_that_are_not_folders(tmp_path, kind):
 
 def _fit_as_node(rank, world, values, opened):
     """fit on this rank, noting which shards its node indexed."""
-    from paratrain.data import sources
+    from paratrain.data.sources import wds as sources
     from spawn import fit_on_rank
 
     real = sources.WebDatasetSource._index
@@ -161,7 +161,7 @@ def test_shards_over_two_nodes_each_node_reads_its_own(tmp_path):
         ("1", "shard-001.tar"),
     ]
     from paratrain.data.folder import build_split
-    from paratrain.data.sources import open_source
+    from paratrain.data.sources.base import open_source
 
     whole = build_split(open_source(values["data"], tmp_path / "c2"), 0.25)
     rows = [

@@ -16,7 +16,9 @@ from paratrain.data.cache import CachedImages, cached_eval_transform, prepare
 from paratrain.data.folder import build_split, load_rgb
 from paratrain.data.samples import PackedStrings, Samples, concat
 from paratrain.data.scan import screen
-from paratrain.data.sources import HFSource, WebDatasetSource, open_source
+from paratrain.data.sources.base import open_source
+from paratrain.data.sources.hf import HFSource
+from paratrain.data.sources.wds import WebDatasetSource
 from paratrain.data.transforms import eval_resize, eval_samples
 from paratrain.errors import UserError
 
@@ -205,7 +207,8 @@ def test_a_folder_is_still_a_folder(tmp_path):
 def test_the_launchers_listing_is_read_by_the_runs_processes(tmp_path, monkeypatch):
     """A start lists and stats the files once: the checks before the run offer their
     listing, and the run's processes (here, or launched with this environment) read it."""
-    from paratrain.data import sources
+    from paratrain.data.sources import base as sources
+    from paratrain.data.sources.folder import FolderSource
 
     data = make_image_folder(tmp_path / "d", classes=2, per_class=6)
     other = make_image_folder(tmp_path / "e", classes=2, per_class=4)
@@ -213,9 +216,9 @@ def test_the_launchers_listing_is_read_by_the_runs_processes(tmp_path, monkeypat
     listed = source.listing()
     sources.offer(source, listed)
     calls = []
-    real = sources.FolderSource.list_entries
+    real = FolderSource.list_entries
     monkeypatch.setattr(
-        sources.FolderSource,
+        FolderSource,
         "list_entries",
         lambda self, *a: calls.append(self.name) or real(self, *a),
     )

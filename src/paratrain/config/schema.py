@@ -89,6 +89,13 @@ def _provided(path: str) -> Mapping[str, str] | Sequence[str]:
     return found
 
 
+def _names_a_source(data: str) -> bool:
+    import importlib
+
+    module, attribute = NAMES_A_SOURCE.split(":")
+    return bool(getattr(importlib.import_module(module), attribute)(data))
+
+
 OptionsT = TypeVar("OptionsT", bound="Options")
 
 
@@ -279,7 +286,8 @@ def check(options: Any) -> None:
         check_value(s, getattr(options, s.name))
 
 
-DATA_SCHEMES = ("hf:", "wds:")  # --data that is not a folder (data/sources.py)
+# whether --data names a source by its prefix (hf:, wds:, ...), each source declaring its own
+NAMES_A_SOURCE = "paratrain.data.sources.base:names_a_source"
 WEIGHTS_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".ckpt", ".tar")
 
 
@@ -304,7 +312,7 @@ def check_paths(options: Any) -> None:
         value = getattr(options, s.name)
         if value is None or (s.rule.auto and value == "auto") or s.rule.path is None:
             continue
-        if s.rule.path == "data" and value.startswith(DATA_SCHEMES):
+        if s.rule.path == "data" and _names_a_source(value):
             continue  # a dataset name or a shard pattern: its source checks it
         if s.rule.path == "weights" and not looks_like_file(value):
             continue  # a name: models/pretrained.py resolves it

@@ -58,7 +58,8 @@ class TrainConfig(Options):
         None,
         "the images: a folder DIR/<class>/* or DIR/{train,val}/<class>/*; a Hugging Face "
         "dataset, hf:NAME or a save_to_disk/parquet folder; WebDataset shards, "
-        "wds:PATTERN (local paths or URLs, {000..099} expands)",
+        "wds:PATTERN (local paths or URLs, {000..099} expands); a CSV listing, csv:FILE.csv "
+        "(an image path and its class a row)",
         group="data",
         path="data",
         metavar="DATA",

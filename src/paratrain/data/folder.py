@@ -29,7 +29,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from torch.utils.data import Dataset
 
 from paratrain.data.samples import Origin, Samples
-from paratrain.data.sources import Listing, Source, open_source
+from paratrain.data.sources.base import Listing, Source, open_source
 from paratrain.errors import UserError
 
 Sample = tuple[str, int]

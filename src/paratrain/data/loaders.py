@@ -29,7 +29,7 @@ from paratrain.data.folder import (
 from paratrain.data.samplers import ShardedEvalSampler, TrainBatches, TrainSampler, train_sampler
 from paratrain.data.samples import PackedStrings, Samples
 from paratrain.data.scan import screen
-from paratrain.data.sources import Source, open_source
+from paratrain.data.sources.base import Source, open_source
 from paratrain.data.transforms import (
     Augment,
     DecodedSamples,

@@ -17,7 +17,7 @@ from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
-from paratrain.data.sources import HF, WDS, is_image, is_junk
+from paratrain.data.sources.base import is_image, is_junk, names_a_source
 
 SAMPLE = 64  # image headers read, spread over the classes
 DEFAULT = 224  # TrainConfig's image_size: larger images keep it
@@ -58,7 +58,7 @@ def median_short_side(folder: str) -> tuple[int, int] | None:
 
 def _folder(values: Mapping[str, Any]) -> str | None:
     data = values.get("data")
-    if not isinstance(data, str) or data.startswith((HF, WDS)):
+    if not isinstance(data, str) or names_a_source(data):
         return None
     path = Path(data).expanduser()
     return str(path.resolve()) if path.is_dir() else None

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from paratrain.config import PredictOptions, TrainConfig
 from paratrain.data.folder import read_rgb
-from paratrain.data.sources import is_image, is_junk
+from paratrain.data.sources.base import is_image, is_junk
 from paratrain.data.transforms import eval_transform
 from paratrain.distributed.env import DistEnv
 from paratrain.distributed.runtime import choose_device

@@ -31,7 +31,7 @@ def preflight(cfg: TrainConfig, world: int) -> None:
     ``world`` processes."""
     from paratrain.data.folder import validation_side
     from paratrain.data.loaders import source_of
-    from paratrain.data.sources import offer
+    from paratrain.data.sources.base import offer
     from paratrain.engine.run_dir import check_run_dir_free
 
     check_settings(cfg, world)

@@ -1,0 +1,114 @@
+"""A data source is one module of data/sources/ plus one registry line: each declares its
+own prefix or the folders it claims, and nothing outside the package tests ``--data``
+for a source's prefix. The CSV-listed source, the smallest, is tested here too."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from imagefolders import make_csv_listing, make_hf_dataset
+from paratrain.config import TrainConfig
+from paratrain.config.schema import check_paths
+from paratrain.data.folder import build_split, load_rgb
+from paratrain.data.sources import SOURCES
+from paratrain.data.sources.base import SourceKind, kind, names_a_source, open_source, prefixes
+from paratrain.errors import UserError
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "paratrain"
+PACKAGE = SRC / "data" / "sources"
+
+
+def test_every_module_is_registered_and_declares_its_kind():
+    modules = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__", "base"}
+    assert modules == set(SOURCES)
+    for name in SOURCES:
+        declared = kind(name)
+        assert isinstance(declared, SourceKind) and callable(declared.open)
+        assert declared.prefix or declared.claims, f"{name} is reached neither way"
+    assert len(set(prefixes())) == len(prefixes())
+    assert list(SOURCES)[-1] == "folder" and kind("folder").claims(Path("/"))  # the fallback
+    with pytest.raises(KeyError, match="no data source 'ftp'"):
+        kind("ftp")
+
+
+def test_nothing_outside_the_package_tests_data_for_a_prefix():
+    found = []
+    for path in SRC.rglob("*.py"):
+        if path.parent == PACKAGE:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "startswith":
+                words = {
+                    n.value
+                    for n in ast.walk(node)
+                    if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                }
+                if words & set(prefixes()):
+                    found.append(f"{path.relative_to(SRC)}:{node.lineno} tests {sorted(words)}")
+    assert not found, "\n".join(found)
+
+
+def test_the_prefix_decides_before_any_folder(tmp_path):
+    pytest.importorskip("datasets")
+    data = make_hf_dataset(tmp_path / "hf")
+    assert type(open_source(str(data))).__name__ == "HFSource"  # claimed, not a folder
+    assert names_a_source("csv:x.csv") and names_a_source("wds:a.tar")
+    assert not names_a_source(str(data))
+    check_paths(TrainConfig(data="csv:nowhere.csv"))  # the source checks it, not the schema
+    with pytest.raises(UserError, match="no such file"):
+        open_source(f"csv:{tmp_path}/nowhere.csv")
+
+
+def test_a_csv_listing_gives_its_split_and_reads_every_image(tmp_path):
+    listing = make_csv_listing(tmp_path, classes=3, per_class=16)
+    split = build_split(f"csv:{listing}")
+    assert split.classes == ["class_0", "class_1", "class_2"] and split.layout == "given"
+    assert (len(split.train), len(split.val)) == (36, 12)
+    for key, label in split.val:
+        assert Path(key).name.startswith(f"class_{label}-")
+        assert load_rgb(key, None, split.val.source).size == (40, 30)
+
+
+def test_a_csv_listing_without_a_split_column_is_split_here(tmp_path):
+    listing = make_csv_listing(tmp_path, classes=2, per_class=10, split=False)
+    split = build_split(f"csv:{listing}", val_fraction=0.2, seed=1)
+    assert split.layout == "split" and (len(split.train), len(split.val)) == (16, 4)
+    assert np.bincount(split.val.labels).tolist() == [2, 2]
+
+
+def test_a_csv_listings_classes_sort_numbers_by_value(tmp_path):
+    (tmp_path / "a.png").write_bytes(b"")
+    rows = [f"a.png,{label}" for label in (10, 2, 2, 10, 1)]
+    (tmp_path / "l.csv").write_text("path,class\n" + "\n".join(rows) + "\n\n")
+    listed = open_source(f"csv:{tmp_path}/l.csv").listing()
+    assert listed.classes == ["1", "2", "10"]
+    assert listed.samples.labels.tolist() == [2, 1, 1, 2, 0]
+
+
+@pytest.mark.parametrize(
+    ("rows", "says"),
+    [
+        ("a.png,cat\nb.png,dog\ngone.png,cat\n", r"l\.csv, row 4: no image file .*gone\.png"),
+        ("a.png,cat\nb.png,\n", r"l\.csv, row 3: no class for b\.png"),
+        ("a.png,cat\n,dog\n", r"l\.csv, row 3: no image path"),
+        ("a.png,cat\nb.png,cat\n", r"l\.csv: one class \(cat\)"),
+        ("", r"l\.csv: lists no image"),
+    ],
+)
+def test_a_bad_csv_row_is_one_line_naming_it(tmp_path, rows, says):
+    (tmp_path / "a.png").write_bytes(b"")
+    (tmp_path / "b.png").write_bytes(b"")
+    (tmp_path / "l.csv").write_text("file,label\n" + rows)
+    with pytest.raises(UserError, match=says):
+        open_source(f"csv:{tmp_path}/l.csv").listing()
+
+
+def test_a_csv_split_column_with_another_word_is_refused(tmp_path):
+    (tmp_path / "a.png").write_bytes(b"")
+    (tmp_path / "l.csv").write_text("file,label,split\na.png,cat,train\na.png,dog,holdout\n")
+    with pytest.raises(UserError, match=r"row 3: split 'holdout' is not train or val"):
+        open_source(f"csv:{tmp_path}/l.csv").listing()
