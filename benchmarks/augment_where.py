@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from paratrain.data.cache import CachedImages, prepare
+from paratrain.data.cache.build import prepare
+from paratrain.data.cache.read import CachedImages
 from paratrain.data.device_batches import DeviceAugmented
 from paratrain.data.folder import build_split
 from paratrain.data.transforms import TrainAugment

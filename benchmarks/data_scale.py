@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _machine import machine  # noqa: E402
 from loader_cache import images_per_second, make_jpegs  # noqa: E402
 
-from paratrain.data.cache import CachedImages, prepare  # noqa: E402
+from paratrain.data.cache.build import prepare
+from paratrain.data.cache.read import CachedImages  # noqa: E402
 from paratrain.data.folder import build_split, load_rgb  # noqa: E402
 from paratrain.data.samplers import TrainBatches, TrainSampler  # noqa: E402
 from paratrain.data.scan import screened  # noqa: E402

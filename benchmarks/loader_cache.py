@@ -24,7 +24,8 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from paratrain.data import jpeg
-from paratrain.data.cache import CachedImages, prepare
+from paratrain.data.cache.build import prepare
+from paratrain.data.cache.read import CachedImages
 from paratrain.data.folder import build_split
 from paratrain.data.samplers import TrainSampler
 from paratrain.data.transforms import DecodedSamples, TrainAugment, batched

@@ -9,7 +9,8 @@ import hashlib
 import pytest
 
 from imagefolders import make_image_folder
-from paratrain.data.cache import MANIFEST, prepare
+from paratrain.data.cache.base import MANIFEST
+from paratrain.data.cache.build import prepare
 from paratrain.data.folder import build_split
 from paratrain.distributed.env import DistEnv
 from spawn import run_distributed

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from imagefolders import make_image_folder
-from paratrain.data.cache import prepare
+from paratrain.data.cache.build import prepare
 from paratrain.data.folder import build_split
 from paratrain.data.scan import find_bad_images
 from spawn import run_distributed

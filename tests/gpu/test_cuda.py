@@ -163,7 +163,7 @@ def test_a_step_never_waits_on_the_device(on_nonfinite, precision):
 
 
 def test_loader_batches_arrive_pinned_and_augment_on_the_gpu(tmp_path, data):
-    from paratrain.data.cache import prepare
+    from paratrain.data.cache.build import prepare
     from paratrain.data.device_batches import DeviceBatch
     from paratrain.data.folder import build_split
     from paratrain.data.loaders import make_loaders
@@ -213,7 +213,7 @@ def test_a_packed_cache_batch_decodes_on_the_gpu_in_one_call(tmp_path, data, mon
     difference."""
     import torchvision.io
 
-    from paratrain.data.cache import prepare
+    from paratrain.data.cache.build import prepare
     from paratrain.data.device_batches import DeviceAugmented
     from paratrain.data.folder import build_split
     from paratrain.data.transforms import TrainAugment

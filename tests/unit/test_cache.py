@@ -11,13 +11,8 @@ import torch
 from PIL import Image
 
 from imagefolders import make_image_folder
-from paratrain.data.cache import (
-    PACKED,
-    RAW,
-    CachedImages,
-    cached_eval_transform,
-    prepare,
-)
+from paratrain.data.cache.build import prepare
+from paratrain.data.cache.read import CachedImages, cached_eval_transform
 from paratrain.data.folder import ImageSamples, build_split, load_rgb, open_image
 from paratrain.data.transforms import TrainAugment, eval_resize, eval_transform
 
@@ -87,7 +82,7 @@ def test_changed_data_rebuilds_and_auto_respects_the_budget(tmp_path, monkeypatc
     split = build_split(data)
     first = prepare(split.train, 32, "auto", 1.0, str(tmp_path / "cache"), workers=0)
     same = prepare(build_split(data).train, 32, "auto", 1.0, str(tmp_path / "cache"), workers=0)
-    assert same.directory == first.directory and first.kind == RAW
+    assert same.directory == first.directory and first.kind == "raw"
     path = split.train[0][0]
     Image.fromarray(np.zeros((48, 64, 3), np.uint8)).save(path)
     os.utime(path, ns=(1, 1))
@@ -97,7 +92,7 @@ def test_changed_data_rebuilds_and_auto_respects_the_budget(tmp_path, monkeypatc
     assert changed.image(0).sum() == 0
     # over the budget for raw pixels: packed JPEG, where the disk has room; else none
     packed = prepare(split.train, 32, "auto", 1e-9, str(tmp_path / "other"), workers=0)
-    assert packed is not None and packed.kind == PACKED
+    assert packed is not None and packed.kind == "packed"
     real = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=100))
     assert prepare(split.train, 32, "auto", 1e-9, str(tmp_path / "third"), workers=0) is None
@@ -121,7 +116,7 @@ def test_crop_boxes_stay_inside_and_follow_scale_and_ratio():
 
 
 def test_building_the_cache_is_the_screen_and_a_ready_cache_needs_none(tmp_path, monkeypatch):
-    from paratrain.data import cache as cache_module
+    from paratrain.data.cache import base as cache_module
     from paratrain.data.scan import screen
 
     data = make_image_folder(tmp_path / "d", classes=2, per_class=8, size=(40, 30))
@@ -228,7 +223,7 @@ def _builds_left(base) -> list[str]:
 def test_an_interrupted_build_removes_its_own_temporary_folder(tmp_path, monkeypatch, kind):
     """Ctrl-C during a build left its temporary folder until a later build removed it;
     now the interrupted process removes it and lets the lock go."""
-    from paratrain.data import cache as cache_module
+    from paratrain.data.cache import build as cache_module
 
     split = build_split(make_image_folder(tmp_path / "d", classes=2, per_class=6), 0.2)
     base = tmp_path / "cache"
@@ -253,7 +248,7 @@ def test_a_disk_that_fills_during_the_build_is_one_line_and_leaves_nothing(tmp_p
     half-built folder left (it was an OSError traceback and a folder left behind)."""
     import errno
 
-    from paratrain.data import cache as cache_module
+    from paratrain.data.cache import build as cache_module
     from paratrain.errors import AgreedUserError
 
     split = build_split(make_image_folder(tmp_path / "d", classes=2, per_class=6), 0.2)

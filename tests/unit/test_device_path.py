@@ -17,7 +17,8 @@ from torchvision import transforms as T
 
 from imagefolders import make_image_folder
 from paratrain import TrainConfig, train
-from paratrain.data.cache import CachedImages, prepare
+from paratrain.data.cache.build import prepare
+from paratrain.data.cache.read import CachedImages
 from paratrain.data.device_batches import DeviceAugmented, DeviceBatch, faster_on_device
 from paratrain.data.folder import build_split, load_rgb
 from paratrain.data.transforms import TrainAugment, to_chw

@@ -15,7 +15,8 @@ from imagefolders import make_image_folder
 from paratrain import TrainConfig, train
 from paratrain.cli import build_parser, main, resolve_train_args
 from paratrain.config.train import RECIPES, read_recipe, shipped_recipes
-from paratrain.data.cache import CachedImages, prepare
+from paratrain.data.cache.build import prepare
+from paratrain.data.cache.read import CachedImages
 from paratrain.data.device_batches import DeviceAugmented
 from paratrain.data.folder import build_split
 from paratrain.data.samplers import TrainSampler

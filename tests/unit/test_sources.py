@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from imagefolders import make_hf_dataset, make_image_folder, make_shards
-from paratrain.data.cache import CachedImages, cached_eval_transform, prepare
+from paratrain.data.cache.build import prepare
+from paratrain.data.cache.read import CachedImages, cached_eval_transform
 from paratrain.data.folder import build_split, load_rgb
 from paratrain.data.samples import PackedStrings, Samples, concat
 from paratrain.data.scan import screen

@@ -42,6 +42,7 @@ TIMM_PREFIX = "timm/"  # --model timm/<name>: a timm model
 DURATION = r"(\d+(\.\d+)?[smh])+"  # 90s, 15m, 2h, 1h30m
 TRACKERS = "paratrain.report.trackers:TRACKERS"  # the registry of --logger's names
 SCORES = "paratrain.report.scores:SUMMARIES"  # the registry of --monitor's names
+CACHE_MODES = "paratrain.data.cache:MODES"  # --cache's words: the cache kinds and more
 NUMBERS3 = r"\s*[0-9.eE+-]+\s*,\s*[0-9.eE+-]+\s*,\s*[0-9.eE+-]+\s*"  # R,G,B
 # what a named --weights brings (mean, std, sizes, interpolation): its registry's
 # metadata, read by the models package (config never imports it)
@@ -226,11 +227,9 @@ class TrainConfig(Options):
     )
     cache: str = setting(
         "auto",
-        "decode every image once, resized, onto local disk: raw (on) keeps uint8 pixels, "
-        "memory-mapped; packed keeps small JPEGs in a few large files; auto: raw when "
-        "it fits --cache-max-gb, else packed when the disk has room, else off",
+        "decode every image once, resized, onto local disk, as one of the cache kinds",
         group="data",
-        choices=("auto", "on", "raw", "packed", "off"),
+        choices_from=CACHE_MODES,
         resume="quiet",
     )
     cache_max_gb: float = setting(

@@ -17,7 +17,8 @@ from torch.utils.data import DataLoader
 
 from paratrain.config import TrainConfig
 from paratrain.data.builtin import default_cache_dir
-from paratrain.data.cache import RAW, CachedImages, DecodedCache, cached_eval_transform, prepare
+from paratrain.data.cache.build import prepare
+from paratrain.data.cache.read import CachedImages, DecodedCache, cached_eval_transform
 from paratrain.data.device_batches import DeviceAugmented, decode_faster_on_device
 from paratrain.data.folder import (
     DataSplit,
@@ -378,7 +379,7 @@ def validation_loader(
     validation's resize (bit for bit the decode path's tensors), else decoded: a second
     resize would change them, and so would a packed cache's JPEG."""
     extra: dict = {}
-    if cache is not None and cache.kind == RAW and cfg.stored_size == cfg.eval_resize:
+    if cache is not None and cache.lossless and cfg.stored_size == cfg.eval_resize:
         transform = cached_eval_transform(cfg.eval_crop, cfg.norm_mean, cfg.norm_std)
         dataset: ImageSamples = CachedImages(samples, cache, transform)
         extra["collate_fn"] = batched

@@ -98,7 +98,7 @@ def dry_run(
     ``unwritten``: where the embedded digits set would first be written."""
     import torch
 
-    from paratrain.data.cache import survey
+    from paratrain.data.cache.choose import survey
     from paratrain.data.loaders import read_split
     from paratrain.distributed.runtime import resolve_precision, runs_on_cuda
     from paratrain.engine.preflight import check_model_input, job_world, oversubscribed

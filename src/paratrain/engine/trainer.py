@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from paratrain.config import TrainConfig
-from paratrain.data.cache import agree_intact
+from paratrain.data.cache.verify import agree_intact
 from paratrain.data.folder import DataSplit
 from paratrain.data.loaders import (
     Loaders,
