@@ -76,7 +76,7 @@ def test_choices_and_defaults_are_written_once():
     every += list(settings(TrainConfig))
     choices = {frozenset(s.rule.choices) for s in every if s.rule.choices}
     for path in SRC.rglob("*.py"):
-        if path.parent.name == "config":
+        if "config" in path.relative_to(SRC).parts[:1]:
             continue
         text = path.read_text()
         for line, values in _string_sequences(ast.parse(text)):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paratrain.config.schema import Options, setting
-from paratrain.config.train import DEVICE, DEVICE_TEXT, MAX_SECONDS
+from paratrain.config.words import DEVICE, DEVICE_TEXT, MAX_SECONDS
 from paratrain.errors import UserError
 
 DRY_RUN = "check every option and print what would run, without running it"

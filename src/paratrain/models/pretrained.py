@@ -25,7 +25,8 @@ from urllib.parse import urlparse
 import torch
 import torchvision
 
-from paratrain.config.train import INTERPOLATIONS, TIMM_PREFIX, TrainConfig, as_text
+from paratrain.config.train import TrainConfig, as_text
+from paratrain.config.words import INTERPOLATIONS, TIMM_PREFIX
 from paratrain.errors import UserError
 from paratrain.log import get_logger
 

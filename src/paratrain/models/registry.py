@@ -14,7 +14,7 @@ from torch import nn
 
 from paratrain.config import TrainConfig
 from paratrain.config.schema import looks_like_file
-from paratrain.config.train import TIMM_PREFIX
+from paratrain.config.words import TIMM_PREFIX
 from paratrain.errors import AgreedUserError, UserError
 from paratrain.log import get_logger
 from paratrain.models import pretrained

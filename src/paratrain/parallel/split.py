@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from paratrain.config import TrainConfig
-from paratrain.config.train import DEVICE, DEVICE_TEXT
+from paratrain.config.words import DEVICE, DEVICE_TEXT
 from paratrain.distributed.runtime import Runtime
 from paratrain.errors import AgreedUserError, UserError
 from paratrain.log import get_logger
