@@ -7,7 +7,7 @@ batch at the same rate); and, with ``--recipes ... auto``, as the default choose
 the epochs it trained, its best and its final validation top-1; and, for ``auto``, what
 it chose and how many epochs it reckoned would fit at the sizes as given. The budget at
 which the two recipes cross is what ``--budget-recipe auto``'s threshold (SHORT in
-engine/budget.py) rests on.
+engine/prerun/budget.py) rests on.
 
     python benchmarks/budget_recipe.py [--budgets 45 90 180] [--seeds 0 1] [--size 64] \\
         [--images 3000] [--nproc 2] [--sets stripes shapes] [--recipes fixed low-res auto]

@@ -33,8 +33,8 @@ def main() -> None:
     parser.add_argument("--model", default="resnet18")
     args = parser.parse_args()
     from paratrain import TrainConfig, train
-    from paratrain.engine.export import export
-    from paratrain.engine.predict import predict
+    from paratrain.engine.inference.export import export
+    from paratrain.engine.inference.predict import predict
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -26,8 +26,8 @@ from _spawn import status_bytes
 from paratrain.config import TrainConfig
 from paratrain.distributed.env import detect
 from paratrain.distributed.runtime import Runtime
-from paratrain.engine.precision import Precision
-from paratrain.engine.recipe import build_optimizer
+from paratrain.engine.run.precision import Precision
+from paratrain.engine.run.recipe import build_optimizer
 from paratrain.parallel.parallelize import build_parts
 
 CLASSES = 10

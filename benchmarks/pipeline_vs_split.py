@@ -28,8 +28,8 @@ from _spawn import run as spawn
 from paratrain.config import TrainConfig
 from paratrain.distributed.env import detect
 from paratrain.distributed.runtime import Runtime
-from paratrain.engine.precision import Precision
-from paratrain.engine.recipe import build_optimizer
+from paratrain.engine.run.precision import Precision
+from paratrain.engine.run.recipe import build_optimizer
 from paratrain.models.registry import build_model
 
 try:  # this tree, or an older one (parallelize lived in parallel/__init__)

@@ -27,10 +27,10 @@ from paratrain.config import TrainConfig
 from paratrain.distributed import comm
 from paratrain.distributed.env import detect
 from paratrain.distributed.runtime import Runtime
-from paratrain.engine import sharded
-from paratrain.engine.checkpoint import save_atomic
-from paratrain.engine.precision import Precision
-from paratrain.engine.recipe import build_optimizer
+from paratrain.engine.checkpointing import sharded
+from paratrain.engine.checkpointing.checkpoint import save_atomic
+from paratrain.engine.run.precision import Precision
+from paratrain.engine.run.recipe import build_optimizer
 from paratrain.models.registry import build_model
 from paratrain.parallel.parallelize import parallelize
 

@@ -77,7 +77,7 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
 
 def last_weights(root: Path, name: str) -> dict[str, torch.Tensor]:
     """The run's last weights, from one file or consolidated from its shards."""
-    from paratrain.engine import checkpoint
+    from paratrain.engine.checkpointing import checkpoint
 
     folder = root / "runs" / name / "checkpoints"
     path = folder / "last.pt" if (folder / "last.pt").exists() else folder / "last"

@@ -1,7 +1,7 @@
 """The entry points: one function per subcommand, callable from Python as from the CLI.
 
 Each turns its options (config/) into calls of the engine, bench, report and launch:
-checks first (engine/preflight, once, before any process starts), then the work in this
+checks first (engine/prerun/preflight, once, before any process starts), then the work in this
 process or, for ``--nproc N`` outside a launcher, in N workers running the same command
 (distributed/launch.launch_or_run). What a command prints goes through ``say`` (print by
 default), on rank 0 only.
@@ -73,9 +73,9 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, say: Say = print) -> dict 
     from paratrain.bench import autopilot
     from paratrain.config import preset_notes
     from paratrain.data.sources.base import handed_over
-    from paratrain.engine import preflight
-    from paratrain.engine.describe import dry_run as describe
-    from paratrain.engine.describe import embedded_data
+    from paratrain.engine.prerun import preflight
+    from paratrain.engine.prerun.describe import dry_run as describe
+    from paratrain.engine.prerun.describe import embedded_data
     from paratrain.engine.trainer import train_worker
     from paratrain.report.loggers import DOWN
 
@@ -100,7 +100,7 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, say: Say = print) -> dict 
         if cfg.budget and cfg.data is not None:  # about how many epochs fit, timed here
             from paratrain.bench.speed import budget_plan
             from paratrain.data.loaders import read_split
-            from paratrain.engine.preflight import job_world
+            from paratrain.engine.prerun.preflight import job_world
 
             split = read_split(cfg)
             world = job_world(cfg, env)
@@ -133,7 +133,7 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, say: Say = print) -> dict 
 def evaluate(opts: EvalOptions, say: Say = print) -> dict | None:
     """A checkpoint on a data folder's validation part, at any world size; the report on
     rank 0 (also printed), None elsewhere and in a launcher."""
-    from paratrain.engine.evaluate import evaluate_checkpoint, prepare_evaluation
+    from paratrain.engine.inference.evaluate import evaluate_checkpoint, prepare_evaluation
     from paratrain.report.evaluation import format_report
 
     opts.validate()
@@ -154,7 +154,7 @@ def evaluate(opts: EvalOptions, say: Say = print) -> dict | None:
 
 def predict(opts: PredictOptions, say: Say = print) -> list[dict]:
     """Top-k classes of every image given (files, or folders searched for images)."""
-    from paratrain.engine.predict import run_predict
+    from paratrain.engine.inference.predict import run_predict
 
     opts.validate()
     return run_predict(opts, say)
@@ -162,8 +162,8 @@ def predict(opts: PredictOptions, say: Say = print) -> list[dict]:
 
 def export(opts: ExportOptions, say: Say = print) -> dict[str, str]:
     """A checkpoint as a torch.export program, safetensors or one checkpoint file."""
-    from paratrain.engine.export import check_export
-    from paratrain.engine.export import export as export_model
+    from paratrain.engine.inference.export import check_export
+    from paratrain.engine.inference.export import export as export_model
 
     opts.validate()
     if opts.dry_run:
@@ -228,7 +228,7 @@ def recipes(opts: RecipesOptions | None = None, say: Say = print) -> list[str]:
 def bench(cfg: TrainConfig, opts: BenchOptions, say: Say = print) -> BenchResult | None:
     """Step speed on synthetic data: the result on rank 0, else None."""
     from paratrain.bench.speed import bench_worker, describe_bench, format_result
-    from paratrain.engine import preflight
+    from paratrain.engine.prerun import preflight
 
     cfg.validate()
     opts.validate()
@@ -283,7 +283,7 @@ def slurm(job: SlurmOptions, cfg: TrainConfig, train_args: list[str], say: Say =
     get the checks `train --dry-run` makes that do not need the cluster's files: every
     value, every combination, the model at its image size."""
     from paratrain.distributed.slurm import sbatch_script
-    from paratrain.engine.preflight import check_settings
+    from paratrain.engine.prerun.preflight import check_settings
 
     job.validate()
     cfg.validate()

@@ -286,7 +286,7 @@ def _slurm(argv: list[str]) -> int:
 
 def _guarded(call: Callable[[], int]) -> int:
     """Run a command; a user's mistake is one line and its exit code, never a traceback."""
-    from paratrain.engine.preempt import Preempted
+    from paratrain.engine.run.preempt import Preempted
 
     try:
         return call()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratrain.engine.checkpoint import prune_epochs, save_atomic
+from paratrain.engine.checkpointing.checkpoint import prune_epochs, save_atomic
 
 pytestmark = pytest.mark.slow
 

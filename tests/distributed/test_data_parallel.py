@@ -16,7 +16,7 @@ from paratrain.data.samplers import ShardedEvalSampler
 from paratrain.data.transforms import eval_transform
 from paratrain.distributed.env import detect
 from paratrain.distributed.runtime import Runtime
-from paratrain.engine.evaluate import evaluate
+from paratrain.engine.inference.evaluate import evaluate
 from paratrain.models.registry import create_model
 from spawn import in_single_process, run_distributed
 

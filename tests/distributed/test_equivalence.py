@@ -11,7 +11,7 @@ from torch import nn
 from paratrain.config import TrainConfig
 from paratrain.distributed.env import detect
 from paratrain.distributed.runtime import Runtime
-from paratrain.engine.recipe import build_optimizer
+from paratrain.engine.run.recipe import build_optimizer
 from paratrain.models.registry import build_model, logits_of
 from paratrain.parallel.parallelize import parallelize
 from spawn import in_single_process, run_distributed

@@ -21,7 +21,7 @@ from paratrain.config import TrainConfig
 from paratrain.data.samplers import ShardedEvalSampler
 from paratrain.distributed.env import detect
 from paratrain.distributed.runtime import Runtime
-from paratrain.engine.evaluate import evaluate
+from paratrain.engine.inference.evaluate import evaluate
 from paratrain.models.registry import build_model
 from paratrain.parallel.parallelize import parallelize
 from paratrain.parallel.parts import ModelParts

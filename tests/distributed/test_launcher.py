@@ -43,7 +43,7 @@ def test_the_readme_lists_the_preemption_signals_the_launcher_and_the_ranks_hand
     from pathlib import Path
 
     from paratrain.distributed.launch import LAUNCHER_SIGNALS
-    from paratrain.engine.preempt import SIGNALS
+    from paratrain.engine.run.preempt import SIGNALS
 
     names = [signal.Signals(sig).name for sig in SIGNALS]
     assert set(names) <= set(LAUNCHER_SIGNALS)

@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from paratrain.config import TrainConfig
 from paratrain.distributed.env import detect
 from paratrain.distributed.runtime import Runtime
-from paratrain.engine.evaluate import evaluate
-from paratrain.engine.recipe import build_optimizer
+from paratrain.engine.inference.evaluate import evaluate
+from paratrain.engine.run.recipe import build_optimizer
 from paratrain.models.registry import build_model
 from paratrain.parallel.parallelize import parallelize
 from spawn import in_single_process, run_distributed
@@ -103,7 +103,7 @@ def _partitioned(rank, world, overrides: dict):
     x, y = _data(parts.replicas)
     mine = slice(parts.replica * BATCH, (parts.replica + 1) * BATCH)
     criterion = torch.nn.CrossEntropyLoss()
-    from paratrain.engine.precision import Precision
+    from paratrain.engine.run.precision import Precision
 
     precision = Precision("32", torch.device("cpu"))
     parts.train()

@@ -74,7 +74,7 @@ def test_two_process_epoch_writes_every_run_file(trained):
     root, data, first, files, _ = trained
     assert first.returncode == 0, first.stderr
     assert files == [
-        ".paratrain.lock",  # held while the run trains (engine/run_dir.hold)
+        ".paratrain.lock",  # held while the run trains (engine/checkpointing/run_dir.hold)
         "checkpoints/best.pt",
         "checkpoints/last.pt",
         "class_indices.json",

@@ -9,7 +9,7 @@ import pytest
 
 from paratrain import TrainConfig, train
 from paratrain.data.builtin import ensure_digits
-from paratrain.engine import checkpoint
+from paratrain.engine.checkpointing import checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from test_cluster import sbatch
 
 from imagefolders import make_image_folder
 from paratrain.cli import main
-from paratrain.engine import checkpoint
+from paratrain.engine.checkpointing import checkpoint
 from spawn import fit_on_rank, run_distributed
 
 pytestmark = pytest.mark.slow

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from imagefolders import make_image_folder
-from paratrain.engine import checkpoint
-from paratrain.engine.preempt import interrupts_deferred
+from paratrain.engine.checkpointing import checkpoint
+from paratrain.engine.run.preempt import interrupts_deferred
 
 
 @pytest.fixture

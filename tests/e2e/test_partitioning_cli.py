@@ -10,7 +10,7 @@ import torchvision
 from test_cli import run_cli
 
 from imagefolders import make_image_folder
-from paratrain.engine import checkpoint
+from paratrain.engine.checkpointing import checkpoint
 
 pytestmark = pytest.mark.slow
 

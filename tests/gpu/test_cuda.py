@@ -23,7 +23,7 @@ from imagefolders import make_image_folder
 from paratrain import TrainConfig, train
 from paratrain.distributed.env import DistEnv
 from paratrain.distributed.runtime import Runtime, choose_backend, choose_device
-from paratrain.engine import checkpoint
+from paratrain.engine.checkpointing import checkpoint
 from paratrain.parallel import sync_batchnorm
 
 pytestmark = [
@@ -103,12 +103,12 @@ def test_a_run_on_cuda_saves_and_resumes_everything(tmp_path, data, precision):
 
 
 def _step_run(on_nonfinite: str = "abort", precision: str = "bf16-mixed"):
-    from paratrain.engine.control import StepControl
-    from paratrain.engine.precision import Precision
-    from paratrain.engine.preempt import PreemptionGuard
-    from paratrain.engine.recipe import Recipe, build_optimizer
-    from paratrain.engine.state import Progress
-    from paratrain.engine.step import Stepper
+    from paratrain.engine.run.control import StepControl
+    from paratrain.engine.run.precision import Precision
+    from paratrain.engine.run.preempt import PreemptionGuard
+    from paratrain.engine.run.recipe import Recipe, build_optimizer
+    from paratrain.engine.run.state import Progress
+    from paratrain.engine.run.step import Stepper
     from paratrain.models.registry import create_model
     from paratrain.parallel.parts import ModelParts
     from paratrain.report.loggers import Loggers

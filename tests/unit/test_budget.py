@@ -8,9 +8,9 @@ import pytest
 
 from paratrain.config import resolve_train
 from paratrain.config.train import TrainConfig, seconds_of
-from paratrain.engine import budget as budget_module
-from paratrain.engine.budget import Budget, duration
-from paratrain.engine.schedule import Schedule, train_size_at
+from paratrain.engine.prerun import budget as budget_module
+from paratrain.engine.prerun.budget import Budget, duration
+from paratrain.engine.run.schedule import Schedule, train_size_at
 from paratrain.errors import UserError
 
 
@@ -214,7 +214,7 @@ def test_auto_reckons_the_epoch_from_the_step_and_the_replicas(monkeypatch, one_
     a replica (a third of a step each), so an epoch is 10.83 s; 60 s minus what the plan
     keeps back fit about 5 of them, fewer than 10; with an epoch of 10 training batches,
     about 50 fit."""
-    import paratrain.engine.probe as probe
+    import paratrain.engine.prerun.probe as probe
 
     monkeypatch.setattr(probe, "step_seconds", lambda cfg, runtime: (0.1, 2))
     monkeypatch.setattr(budget_module, "since_start", lambda: 0.0)
@@ -229,7 +229,7 @@ def test_auto_reckons_the_epoch_from_the_step_and_the_replicas(monkeypatch, one_
 def test_auto_keeps_what_a_resumed_run_recorded_and_never_a_size_the_model_refuses(
     tmp_path, one_process, monkeypatch
 ):
-    import paratrain.engine.probe as probe
+    import paratrain.engine.prerun.probe as probe
 
     def never(*_):
         raise AssertionError("a resumed run or a refused size times nothing")

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from paratrain.engine import checkpoint
+from paratrain.engine.checkpointing import checkpoint
 
 
 def test_best_is_a_link_that_keeps_its_content_when_last_moves_on(tmp_path):

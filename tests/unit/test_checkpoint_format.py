@@ -11,8 +11,8 @@ import torch
 
 from imagefolders import make_image_folder
 from paratrain.cli import main
-from paratrain.engine import checkpoint
-from paratrain.engine.checkpoint import FORMAT, Checkpoint
+from paratrain.engine.checkpointing import checkpoint
+from paratrain.engine.checkpointing.checkpoint import FORMAT, Checkpoint
 from paratrain.errors import UserError
 
 V1 = Path(__file__).resolve().parents[1] / "data" / "checkpoint-v1"

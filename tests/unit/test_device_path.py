@@ -24,12 +24,12 @@ from paratrain.data.folder import build_split, load_rgb
 from paratrain.data.transforms import TrainAugment, to_chw
 from paratrain.distributed.env import DistEnv
 from paratrain.distributed.runtime import Runtime
-from paratrain.engine.control import CUDA_CHECK_EVERY, NonFiniteLoss, StepControl
-from paratrain.engine.precision import Precision
-from paratrain.engine.preempt import PreemptionGuard
-from paratrain.engine.recipe import Recipe
-from paratrain.engine.state import Progress
-from paratrain.engine.step import Stepper
+from paratrain.engine.run.control import CUDA_CHECK_EVERY, NonFiniteLoss, StepControl
+from paratrain.engine.run.precision import Precision
+from paratrain.engine.run.preempt import PreemptionGuard
+from paratrain.engine.run.recipe import Recipe
+from paratrain.engine.run.state import Progress
+from paratrain.engine.run.step import Stepper
 from paratrain.engine.trainer import train_step
 from paratrain.errors import UserError
 from paratrain.parallel.parts import ModelParts
@@ -206,7 +206,7 @@ def test_without_reading_back_a_nan_aborts_at_the_next_check_naming_its_step():
 
 
 def test_nproc_beyond_the_gpus_is_refused_in_one_line(monkeypatch, tmp_path):
-    from paratrain.engine.preflight import check_devices
+    from paratrain.engine.prerun.preflight import check_devices
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

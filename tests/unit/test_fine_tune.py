@@ -11,10 +11,10 @@ import torch
 from paratrain import TrainConfig
 from paratrain.config import resolve_train
 from paratrain.config.train import read_recipe
-from paratrain.engine.precision import Precision
-from paratrain.engine.recipe import build_optimizer, build_recipe
-from paratrain.engine.schedule import Schedule, base_lr
-from paratrain.engine.step import Stepper, train_step
+from paratrain.engine.run.precision import Precision
+from paratrain.engine.run.recipe import build_optimizer, build_recipe
+from paratrain.engine.run.schedule import Schedule, base_lr
+from paratrain.engine.run.step import Stepper, train_step
 from paratrain.errors import UserError
 from paratrain.models.registry import create_model
 from paratrain.parallel import optim_state
@@ -90,7 +90,7 @@ def test_a_backbone_that_would_never_thaw_is_refused_or_said_under_a_budget(
         resolve_train({"data": "d", "freeze_epochs": 2, "epochs": 2})
     assert resolve_train({"data": "d", "freeze_epochs": 2, "epochs": 3}).freeze_epochs == 2
     from paratrain import TrainConfig, train
-    from paratrain.engine import budget
+    from paratrain.engine.prerun import budget
 
     monkeypatch.setattr(budget.Budget, "after_step", _plans_two_epochs)
     monkeypatch.setattr(budget.Budget, "after_epoch", lambda self, done, cost: 2.0)

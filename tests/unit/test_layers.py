@@ -11,11 +11,12 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "src" / "paratrain"
 
 
-def layers() -> list[set[str]]:
-    """The numbered list under '## Layers' in docs/architecture.md, top first; each item
-    names one or more top-level modules or packages of paratrain (peers)."""
+def layers(heading: str = "Layers") -> list[set[str]]:
+    """The numbered list under '## <heading>' in docs/architecture.md, top first; each item
+    names one or more top-level modules or packages of paratrain (peers), or rooms of a
+    package (``engine.run``)."""
     text = (ROOT / "docs" / "architecture.md").read_text()
-    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    section = text.split(f"## {heading}", 1)[1].split("\n## ", 1)[0]
     found = []
     for line in section.splitlines():
         match = re.match(r"^\d+\. `([^`]+)`", line)
@@ -104,6 +105,29 @@ def test_every_import_goes_down_the_layers():
                 wrong.append(
                     f"{importer} imports {target} ({a} is layer {order[a] + 1}, {b} {order[b] + 1})"
                 )
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def room(module: str) -> str:
+    """The room of engine/ a module of it is in: ``engine.<room>`` (a subpackage or a
+    module directly under engine/)."""
+    return "engine." + module.split(".")[2] if module.count(".") >= 2 else "engine"
+
+
+def test_the_rooms_of_engine_are_named_and_every_import_between_them_goes_down():
+    order = {name: index for index, group in enumerate(layers("Rooms of engine")) for name in group}
+    present = {room(m) for m in modules() if m.startswith("paratrain.engine.")}
+    assert set(order) == present, f"unlisted rooms: {present - set(order)}"
+    wrong = []
+    for importer, targets in imports(modules()).items():
+        if not importer.startswith("paratrain.engine."):
+            continue
+        for target in targets:
+            if not target.startswith("paratrain.engine."):
+                continue
+            a, b = room(importer), room(target)
+            if a != b and order[b] <= order[a]:
+                wrong.append(f"{importer} imports {target}: {b} is not below {a}")
     assert not wrong, "\n".join(sorted(wrong))
 
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from paratrain.engine import run_dir
+from paratrain.engine.checkpointing import run_dir
 from paratrain.errors import UserError
 
 HOLD = textwrap.dedent(
@@ -24,7 +24,7 @@ HOLD = textwrap.dedent(
             raise OSError(errno.ENOSYS, "Function not implemented")
         fcntl.flock = no_flock
     warnings.simplefilter("ignore")
-    from paratrain.engine.run_dir import hold
+    from paratrain.engine.checkpointing.run_dir import hold
     hold(__import__("pathlib").Path(sys.argv[1]))
     print("held", flush=True)
     time.sleep(60)

@@ -12,8 +12,8 @@ import yaml
 
 from paratrain import TrainConfig, train
 from paratrain.cli import main
-from paratrain.engine import checkpoint
-from paratrain.engine.evaluate import EvalResult
+from paratrain.engine.checkpointing import checkpoint
+from paratrain.engine.inference.evaluate import EvalResult
 from paratrain.models.registry import create_model
 from paratrain.parallel import optim_state
 

@@ -11,7 +11,7 @@ from torch import nn
 
 
 def test_sgd_init_group_collects_params_grads_and_buffers():
-    """engine/recipe.StorageOrderSGD calls SGD._init_group(group, params, grads, buffers)
+    """engine/run/recipe.StorageOrderSGD calls SGD._init_group(group, params, grads, buffers)
     and reads its answer as has_sparse_grad."""
     init = getattr(torch.optim.SGD, "_init_group", None)
     assert callable(init), "torch.optim.SGD._init_group is gone"
@@ -29,7 +29,7 @@ def test_sgd_init_group_collects_params_grads_and_buffers():
 def test_functional_sgd_takes_what_storage_order_sgd_passes():
     from torch.optim import sgd as sgd_module
 
-    from paratrain.engine.recipe import SGD_KEYWORDS, private_sgd_fits
+    from paratrain.engine.run.recipe import SGD_KEYWORDS, private_sgd_fits
 
     sgd = getattr(sgd_module, "sgd", None)
     assert callable(sgd), "torch.optim.sgd.sgd is gone"
@@ -50,7 +50,7 @@ def test_storage_order_sgd_steps_as_sgd_when_the_private_pieces_change(monkeypat
     torch's own SGD step, with the same result."""
     from torch.optim import sgd as sgd_module
 
-    from paratrain.engine import recipe
+    from paratrain.engine.run import recipe
 
     real = sgd_module.sgd
     calls = []
@@ -79,10 +79,10 @@ def test_storage_order_sgd_steps_as_sgd_when_the_private_pieces_change(monkeypat
 
 
 def test_the_checkpoint_index_types_are_where_the_safe_reader_allows_them():
-    """engine/sharded._IndexUnpickler reads DCP's .metadata allowing only these types by
+    """engine/checkpointing/sharded._IndexUnpickler reads DCP's .metadata allowing only these types by
     their module and name; a type torch moves or renames would make every sharded
     checkpoint unreadable."""
-    from paratrain.engine.sharded import _INDEX_TYPES
+    from paratrain.engine.checkpointing.sharded import _INDEX_TYPES
 
     for module, name in sorted(_INDEX_TYPES):
         found = getattr(importlib.import_module(module), name, None)
@@ -93,7 +93,9 @@ def test_the_checkpoint_index_types_are_where_the_safe_reader_allows_them():
 
 
 def test_dcp_public_pieces_the_checkpoints_use():
-    from torch.distributed.checkpoint.api import CheckpointException  # engine/checkpoint
+    from torch.distributed.checkpoint.api import (
+        CheckpointException,  # engine/checkpointing/checkpoint
+    )
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     assert issubclass(CheckpointException, BaseException)

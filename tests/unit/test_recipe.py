@@ -13,8 +13,8 @@ from imagefolders import make_image_folder
 from paratrain import TrainConfig, train
 from paratrain.cli import main
 from paratrain.config import resolve_train
-from paratrain.engine import checkpoint
-from paratrain.engine.recipe import build_mixer
+from paratrain.engine.checkpointing import checkpoint
+from paratrain.engine.run.recipe import build_mixer
 from paratrain.errors import UserError
 from paratrain.models.registry import build_model
 

@@ -21,7 +21,7 @@ from paratrain.data.device_batches import DeviceAugmented
 from paratrain.data.folder import build_split
 from paratrain.data.samplers import TrainSampler
 from paratrain.data.transforms import Augment, DecodedSamples, TrainAugment, eval_transform
-from paratrain.engine.recipe import build_optimizer, param_groups
+from paratrain.engine.run.recipe import build_optimizer, param_groups
 from paratrain.errors import UserError
 from paratrain.models.registry import create_model
 from paratrain.parallel import optim_state

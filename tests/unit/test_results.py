@@ -128,7 +128,7 @@ def test_predict_skips_unreadable_and_hidden_images_and_says_so(trained_run, cap
 
 
 def test_export_pt2_round_trips(trained_run, tmp_path, capsys):
-    from paratrain.engine.predict import load_for_inference, load_program
+    from paratrain.engine.inference.predict import load_for_inference, load_program
 
     root, _, _ = trained_run
     checkpoint = str(root / "runs/r/checkpoints/last.pt")
@@ -152,7 +152,7 @@ def test_export_onnx_runs_in_onnxruntime_like_torch_and_predict_takes_it(trained
     import onnxruntime
 
     from paratrain.data.transforms import eval_transform
-    from paratrain.engine.predict import load_for_inference
+    from paratrain.engine.inference.predict import load_for_inference
 
     root, data, _ = trained_run
     checkpoint = str(root / "runs/r/checkpoints/last.pt")
@@ -235,7 +235,7 @@ def test_onnx_without_its_packages_names_the_extra(trained_run, monkeypatch, cap
 def test_export_safetensors_round_trips_and_trains_from(trained_run, tmp_path, capsys):
     from safetensors import safe_open
 
-    from paratrain.engine.predict import load_for_inference
+    from paratrain.engine.inference.predict import load_for_inference
     from paratrain.models.registry import create_model, load_weights, read_state_dict
 
     root, _, _ = trained_run
@@ -321,7 +321,7 @@ def test_ema_flag_without_ema_weights_is_one_clear_error(trained_run, capsys):
 
 
 def test_a_class_without_validation_images_has_no_accuracy_rather_than_zero():
-    from paratrain.engine.evaluate import EvalResult
+    from paratrain.engine.inference.evaluate import EvalResult
     from paratrain.report.evaluation import format_report
 
     confusion = torch.tensor([[3, 1, 0], [0, 0, 0], [1, 0, 1]])

@@ -10,7 +10,7 @@ import pytest
 
 from paratrain.config import TrainConfig
 from paratrain.config.run_dirs import claim_new_name
-from paratrain.engine.run_dir import resolve_run
+from paratrain.engine.checkpointing.run_dir import resolve_run
 from paratrain.errors import UserError
 
 STAMP = "20261203-120000"

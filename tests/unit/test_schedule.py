@@ -9,7 +9,7 @@ from imagefolders import make_image_folder
 from paratrain import TrainConfig, train
 from paratrain.cli import main
 from paratrain.config.train import read_recipe, resolve_train
-from paratrain.engine.schedule import Schedule, build_schedule, describe_schedule
+from paratrain.engine.run.schedule import Schedule, build_schedule, describe_schedule
 
 
 def test_cosine_runs_from_the_peak_to_lrf():
@@ -98,7 +98,7 @@ def test_an_old_config_with_the_per_process_lr_is_refused_saying_how(tmp_path, c
 def test_a_checkpoint_of_the_per_process_lr_resumes_at_its_rates():
     from pathlib import Path
 
-    from paratrain.engine import checkpoint
+    from paratrain.engine.checkpointing import checkpoint
 
     v1 = Path(__file__).resolve().parents[1] / "data" / "checkpoint-v1"
     state = checkpoint.load(v1 / "mid-epoch.pt")  # lr 0.01, lr_scaling linear, batch 4

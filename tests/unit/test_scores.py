@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from paratrain.config import TrainConfig
-from paratrain.engine.evaluate import EvalResult
+from paratrain.engine.inference.evaluate import EvalResult
 from paratrain.report.metrics import COLUMNS
 from paratrain.report.scores import SCORES
 from paratrain.report.scores.base import Score, Totals, compute_all, ranking, score

@@ -14,7 +14,7 @@ from imagefolders import make_image_folder
 from paratrain.cli import COMMANDS, build_parser, flag_reference, main, resolve_train_args
 from paratrain.config import PRESETS, TrainConfig, resolve_train, settings
 from paratrain.config.schema import describe
-from paratrain.engine.schedule import describe_schedule
+from paratrain.engine.run.schedule import describe_schedule
 from paratrain.errors import UserError
 from paratrain.parallel import STRATEGIES
 

@@ -299,7 +299,7 @@ def test_a_shard_whose_count_differs_from_its_index_is_a_bad_shard(tmp_path):
 def test_archive_debris_is_ignored_like_hidden_files(tmp_path):
     """A folder unzipped on a Mac holds __MACOSX/ (resource forks named ._x.jpg): it is
     no empty class and none of its files is an image, in training and in predict."""
-    from paratrain.engine.predict import collect_images
+    from paratrain.engine.inference.predict import collect_images
 
     data = make_image_folder(tmp_path / "d", classes=2, per_class=5)
     for junk in ("__MACOSX/class_0", "__MACOSX", "class_0/__MACOSX", ".Trash"):

@@ -14,12 +14,12 @@ from paratrain import TrainConfig, train
 from paratrain.distributed.env import DistEnv
 from paratrain.distributed.runtime import Runtime
 from paratrain.distributed.runtime import resolve_precision as resolve
-from paratrain.engine.control import StepControl
-from paratrain.engine.precision import Precision
-from paratrain.engine.preempt import PreemptionGuard
-from paratrain.engine.recipe import Recipe
-from paratrain.engine.state import Progress
-from paratrain.engine.step import Stepper
+from paratrain.engine.run.control import StepControl
+from paratrain.engine.run.precision import Precision
+from paratrain.engine.run.preempt import PreemptionGuard
+from paratrain.engine.run.recipe import Recipe
+from paratrain.engine.run.state import Progress
+from paratrain.engine.run.step import Stepper
 from paratrain.engine.trainer import train_step
 from paratrain.errors import UserError
 from paratrain.parallel.parts import ModelParts
@@ -157,7 +157,7 @@ def test_memory_format_auto_is_channels_last_for_conv_models():
 
 
 def test_channels_last_trains_and_keeps_the_format(image_folder, tmp_path):
-    from paratrain.engine import checkpoint
+    from paratrain.engine.checkpointing import checkpoint
 
     summary = train(
         TrainConfig(
@@ -179,7 +179,7 @@ def test_channels_last_trains_and_keeps_the_format(image_folder, tmp_path):
 def test_bf16_on_cpu_runs_strided_convolutions_over_one_pixel_in_fp32():
     from torch import nn
 
-    from paratrain.engine.precision import Precision
+    from paratrain.engine.run.precision import Precision
 
     torch.manual_seed(0)
     precision = Precision("bf16-mixed", torch.device("cpu"))

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torchvision
 
-from paratrain.engine.recipe import StorageOrderSGD
+from paratrain.engine.run.recipe import StorageOrderSGD
 from paratrain.parallel.parts import ModelParts
 
 

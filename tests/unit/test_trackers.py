@@ -74,7 +74,7 @@ def test_an_unknown_tracker_name_is_a_key_error_naming_the_known_ones():
 def test_a_run_folder_holding_only_what_trackers_opened_is_a_folder_that_trained_nothing():
     """run_dir removes a folder that trained nothing; what the trackers open before the
     first step comes from their registry entries, a new tracker's included."""
-    from paratrain.engine.run_dir import STARTED_FILES
+    from paratrain.engine.checkpointing.run_dir import STARTED_FILES
 
     for name in TRACKERS:
         assert set(kind(name).writes) <= STARTED_FILES

@@ -25,13 +25,13 @@ from paratrain.data.scan import find_bad_images
 from paratrain.data.transforms import DecodedSamples
 from paratrain.distributed.env import DistEnv
 from paratrain.distributed.runtime import Runtime
-from paratrain.engine import checkpoint
-from paratrain.engine.control import StepControl
-from paratrain.engine.precision import Precision
-from paratrain.engine.preempt import PreemptionGuard
-from paratrain.engine.recipe import Recipe
-from paratrain.engine.state import Progress
-from paratrain.engine.step import Stepper
+from paratrain.engine.checkpointing import checkpoint
+from paratrain.engine.run.control import StepControl
+from paratrain.engine.run.precision import Precision
+from paratrain.engine.run.preempt import PreemptionGuard
+from paratrain.engine.run.recipe import Recipe
+from paratrain.engine.run.state import Progress
+from paratrain.engine.run.step import Stepper
 from paratrain.engine.trainer import train_step
 from paratrain.errors import UserError
 from paratrain.models.registry import create_model, freeze_backbone

@@ -14,7 +14,7 @@ import torch
     reason="torch 2.14 fused SGD (torch/optim/sgd.py, _fused_sgd: is_first_step is "
     "all-or-none) cannot step when some parameters have momentum buffers and others "
     "first get a gradient later, as a thawed backbone does; no upstream issue found. "
-    "paratrain gives the late parameters zero buffers first (engine/recipe.py, "
+    "paratrain gives the late parameters zero buffers first (engine/run/recipe.py, "
     "_missing_buffers)",
 )
 def test_fused_sgd_steps_parameters_that_join_late():
@@ -28,7 +28,7 @@ def test_fused_sgd_steps_parameters_that_join_late():
 
 
 def test_paratrain_sgd_steps_parameters_that_join_late_as_unfused_sgd_does():
-    from paratrain.engine.recipe import StorageOrderSGD
+    from paratrain.engine.run.recipe import StorageOrderSGD
 
     results = []
     for kind in (StorageOrderSGD, torch.optim.SGD):
@@ -52,7 +52,7 @@ def test_paratrain_sgd_steps_parameters_that_join_late_as_unfused_sgd_does():
     "found_inf is set (a GradScaler's overflow, a skipped step): the next step reads "
     "garbage. Seen on CUDA (torch 2.11) as a NaN after an fp16 overflow, as "
     "LibreYOLO/libreyolo#771 describes; no upstream issue found. paratrain gives such a "
-    "step zero buffers first (engine/recipe.py, _missing_buffers)",
+    "step zero buffers first (engine/run/recipe.py, _missing_buffers)",
 )
 def test_fused_sgd_after_a_skipped_first_step():
     """A first step skipped through found_inf, then one finite step: the weights must be
@@ -73,7 +73,7 @@ def test_fused_sgd_after_a_skipped_first_step():
 def test_paratrain_sgd_after_a_grad_scalers_skipped_first_step_is_plain_sgd():
     """Through torch's GradScaler, as 16-mixed runs it: an overflow on the first step is
     skipped, and the next step lands where one plain SGD step does, to the bit."""
-    from paratrain.engine.recipe import StorageOrderSGD
+    from paratrain.engine.run.recipe import StorageOrderSGD
 
     for _ in range(20):
         torch.full((4096,), float("nan")).sum()

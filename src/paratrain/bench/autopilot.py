@@ -40,8 +40,8 @@ from paratrain.config.run_dirs import claim_new_name
 from paratrain.data.builtin import default_cache_dir
 from paratrain.distributed.env import DistEnv
 from paratrain.distributed.runtime import runs_on_cuda, usable_cores
-from paratrain.engine.probe import sync
-from paratrain.engine.step import Stepper, train_step
+from paratrain.engine.prerun.probe import sync
+from paratrain.engine.run.step import Stepper, train_step
 from paratrain.errors import UserError
 from paratrain.files import write_atomic
 
@@ -344,7 +344,7 @@ def _data_cap(cfg: TrainConfig) -> int:
 
 
 def _cuda_step(cfg: TrainConfig, batch: int) -> None:
-    """One training step at ``batch`` on the GPU, the training loop's own (engine/step.py),
+    """One training step at ``batch`` on the GPU, the training loop's own (engine/run/step.py),
     on a model of its own, freed after."""
     device = torch.device("cuda", torch.cuda.current_device())
     stepper = _one_process_stepper(replace(cfg, batch_size=batch), device, classes=10)
@@ -361,7 +361,7 @@ def _one_process_stepper(cfg: TrainConfig, device: torch.device, classes: int) -
     """The run's model, optimizer and recipe in this one process on ``device``."""
     from paratrain.distributed.env import DistEnv
     from paratrain.distributed.runtime import Runtime
-    from paratrain.engine.probe import stepper_for
+    from paratrain.engine.prerun.probe import stepper_for
     from paratrain.models.registry import build_model
     from paratrain.parallel.parts import ModelParts, memory_format_for
 
@@ -414,7 +414,7 @@ def pick_lr(
 
 def range_test(cfg: TrainConfig, steps: int, plot: Path | None, say) -> Choice[float]:
     """The sweep on this process: the run's model, optimizer, recipe and images, one
-    step (engine/step.py) at a time, the rate from RANGE[0] to RANGE[1] exponentially over
+    step (engine/run/step.py) at a time, the rate from RANGE[0] to RANGE[1] exponentially over
     ``steps`` steps (seeded: repeatable)."""
     from torch.utils.data import DataLoader
 
@@ -485,7 +485,7 @@ def choose(
 ) -> tuple[TrainConfig, list[str]]:
     """Every auto setting of a run made a value, each told with its reason, the result
     checked as the values would have been (the config unchanged where none is auto)."""
-    from paratrain.engine import preflight
+    from paratrain.engine.prerun import preflight
 
     if not cfg.has_auto():
         return cfg, []

@@ -387,7 +387,7 @@ def run_scale(cfg: TrainConfig, opts: ScaleOptions, say: Callable[[str], object]
     """`paratrain scale`: measure here (or fit ``opts.calibrate``), predict, write the
     report under ``opts.out``, say it; None for a dry run."""
     from paratrain.bench import costmodel
-    from paratrain.engine import preflight
+    from paratrain.engine.prerun import preflight
     from paratrain.report.scaling import format_calibration, format_measured, write_report
 
     if opts.calibrate is not None:

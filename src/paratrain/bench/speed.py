@@ -1,6 +1,6 @@
 """`paratrain bench`: training-step speed on synthetic data already on the device.
 
-The step timed is the training loop's own (engine/step.py), with the run's strategy,
+The step timed is the training loop's own (engine/run/step.py), with the run's strategy,
 optimizer and precision. Each is split into data (taking the next batch from a pool on
 the device), forward, backward and optimizer. With DDP the backward pass also carries the gradient
 all-reduce, overlapped with it; communication is measured as the median synced step
@@ -22,8 +22,8 @@ from paratrain.config import BenchOptions, TrainConfig
 from paratrain.distributed import comm
 from paratrain.distributed.env import DistEnv
 from paratrain.distributed.runtime import Runtime
-from paratrain.engine.probe import Probe, prepare, sync
-from paratrain.engine.step import train_step
+from paratrain.engine.prerun.probe import Probe, prepare, sync
+from paratrain.engine.run.step import train_step
 
 PHASES = ("data", "forward", "backward", "optimizer")
 
@@ -56,7 +56,7 @@ def _peak_memory_mb(device: torch.device) -> float:
 
 
 def _timed_step(setup: Probe, index: int, synced: bool = True) -> tuple[dict[str, float], float]:
-    """One training step (engine/step.py); seconds per phase, and the clock when
+    """One training step (engine/run/step.py); seconds per phase, and the clock when
     backward started."""
     times: dict[str, float] = {}
     mark = time.perf_counter()
@@ -209,7 +209,7 @@ def budget_plan(cfg: TrainConfig, train: int, val: int, world: int) -> str:
     synthetic batches in one process (the run times its own first steps and plans
     again every epoch)."""
     from paratrain.distributed.runtime import distributed
-    from paratrain.engine.budget import (
+    from paratrain.engine.prerun.budget import (
         SHORT,
         concrete,
         duration,

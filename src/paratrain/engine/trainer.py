@@ -32,20 +32,20 @@ from paratrain.data.loaders import (
 from paratrain.distributed import comm
 from paratrain.distributed.env import DistEnv
 from paratrain.distributed.runtime import Runtime, seed_everything
-from paratrain.engine import precision as precision_module
-from paratrain.engine.budget import Budget, choose_recipe, concrete, duration, recipe_words
-from paratrain.engine.checkpoint import Checkpointer, resume
-from paratrain.engine.control import StepControl
-from paratrain.engine.describe import data_words, run_facts
-from paratrain.engine.evaluate import EvalResult, evaluate
-from paratrain.engine.preempt import Interrupted, PreemptionGuard
-from paratrain.engine.preflight import check_model_input
-from paratrain.engine.recipe import Recipe, build_optimizer, build_recipe
-from paratrain.engine.run_dir import last_of_run, release_all, resolve_run
-from paratrain.engine.schedule import Schedule, base_lr, build_schedule, train_size_at
-from paratrain.engine.state import Progress
-from paratrain.engine.step import Stepper
-from paratrain.engine.step import train_step as one_step
+from paratrain.engine.checkpointing.checkpoint import Checkpointer, resume
+from paratrain.engine.checkpointing.run_dir import last_of_run, release_all, resolve_run
+from paratrain.engine.inference.evaluate import EvalResult, evaluate
+from paratrain.engine.prerun.budget import Budget, choose_recipe, concrete, duration, recipe_words
+from paratrain.engine.prerun.describe import data_words, run_facts
+from paratrain.engine.prerun.preflight import check_model_input
+from paratrain.engine.run import precision as precision_module
+from paratrain.engine.run.control import StepControl
+from paratrain.engine.run.preempt import Interrupted, PreemptionGuard
+from paratrain.engine.run.recipe import Recipe, build_optimizer, build_recipe
+from paratrain.engine.run.schedule import Schedule, base_lr, build_schedule, train_size_at
+from paratrain.engine.run.state import Progress
+from paratrain.engine.run.step import Stepper
+from paratrain.engine.run.step import train_step as one_step
 from paratrain.errors import AgreedUserError, UserError
 from paratrain.log import get_logger, since_start
 from paratrain.parallel.parallelize import build_parts
@@ -251,7 +251,7 @@ def _budget_recipe(
     cfg: TrainConfig, runtime: Runtime, split: DataSplit, resumed: Path | None
 ) -> tuple[TrainConfig, TrainConfig]:
     """(the recipe by name, as config.yaml records it; the settings it trains with):
-    --budget-recipe auto decided (engine/budget.py), low-res made sizes and said."""
+    --budget-recipe auto decided (engine/prerun/budget.py), low-res made sizes and said."""
     intent = choose_recipe(cfg, runtime, len(split.train), len(split.val), resumed)
     cfg = concrete(intent)
     if cfg is not intent:
@@ -285,7 +285,7 @@ def _announce(cfg, runtime, split, loaders, recipe, run_dir, resume_from) -> Non
 
 
 def _sync_free(cfg: TrainConfig, runtime: Runtime, optimizer, recipe: Recipe) -> bool:
-    """On CUDA, steps read nothing back (see engine/control.py), except where skipping a
+    """On CUDA, steps read nothing back (see engine/run/control.py), except where skipping a
     non-finite step needs the flag on the host: a GradScaler, EMA weights, or an
     optimizer that is not fused (the model's parts say where fused kernels cannot run)."""
     if runtime.device.type != "cuda":
@@ -376,7 +376,7 @@ def plan(run: Run, epochs: float, bar=None, epoch: int = 0) -> None:
 
 
 def train_step(run: Run, micro_batches: Iterator, count: int) -> int:
-    """One optimizer step of the run (engine/step.py), then what the run keeps of it:
+    """One optimizer step of the run (engine/run/step.py), then what the run keeps of it:
     the epoch's sums, the step counters, the trackers' scalars. Returns this process's
     images."""
     progress = run.progress

@@ -30,7 +30,7 @@ def write_run_files(cfg: TrainConfig, split: DataSplit, run_dir: Path) -> None:
 @dataclass
 class RunFacts:
     """What a run is: the lines `train --dry-run` prints under "would run:" and the run
-    prints when it starts, made once (engine/describe.py) for both."""
+    prints when it starts, made once (engine/prerun/describe.py) for both."""
 
     processes: str
     device: str

@@ -57,7 +57,7 @@ class Precision:
             self.scaler.update()
         elif found_inf is None:
             optimizer.step()
-        else:  # read by the optimizer's step (engine/recipe.StorageOrderSGD), like a scaler's
+        else:  # read by the optimizer's step (engine/run/recipe.StorageOrderSGD), like a scaler's
             setattr(optimizer, "found_inf", found_inf.float().reshape(()))  # noqa: B010
             try:
                 optimizer.step()

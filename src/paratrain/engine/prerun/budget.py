@@ -7,7 +7,7 @@ fraction allowed) so that training, every epoch's evaluation and checkpoint, and
 last ones end on time; after each epoch it plans again from what the epoch really cost.
 Rank 0 decides and every rank follows (their clocks differ a little), so every rank
 stops at the same step. The learning rate is a function of how far training is in
-epochs (engine/schedule.py), so a new length only reshapes what is left of the curve.
+epochs (engine/run/schedule.py), so a new length only reshapes what is left of the curve.
 
 Before that, the recipe (``--budget-recipe``): when few epochs would fit at the sizes as
 given, more epochs at a lower resolution reach a good model sooner (measured on two sets
@@ -217,7 +217,7 @@ def epoch_seconds(step: float, cfg: TrainConfig, train: int, val: int, replicas:
 
 def _takes(cfg: TrainConfig, world: int) -> bool:
     """Whether the model takes the recipe's sizes (a ViT of fixed size does not)."""
-    from paratrain.engine.preflight import check_model_input
+    from paratrain.engine.prerun.preflight import check_model_input
     from paratrain.errors import UserError
 
     try:
@@ -253,7 +253,7 @@ def choose_recipe(
             f"would train at {low_res(cfg).train_size} px, below {SMALLEST})"
         )
         return replace(cfg, budget_recipe="fixed")
-    from paratrain.engine.probe import step_seconds  # builds a model: only when choosing
+    from paratrain.engine.prerun.probe import step_seconds  # builds a model: only when choosing
 
     budget = f"budget {duration(cfg.budget_seconds or 0.0)}"
     get_logger().info(

@@ -229,7 +229,7 @@ def prepare_evaluation(opts: EvalOptions) -> EvalJob:
     against its model: every mistake one line before any process starts."""
     from paratrain.data.loaders import memory_folder, read_split
     from paratrain.data.scan import without_unreadable
-    from paratrain.engine import checkpoint
+    from paratrain.engine.checkpointing import checkpoint
     from paratrain.models.registry import check_weights_fit
 
     path = str(opts.checkpoint)  # required: the options were checked
@@ -239,7 +239,7 @@ def prepare_evaluation(opts: EvalOptions) -> EvalJob:
     if not data_dir:
         raise UserError("--data is needed: the checkpoint does not name its data")
     from paratrain.data.loaders import recorded_sides
-    from paratrain.engine.run_dir import run_dir_of
+    from paratrain.engine.checkpointing.run_dir import run_dir_of
 
     split = recorded_sides(read_split(replace(saved, data=data_dir)), run_dir_of(path))
     if split.classes != state.classes:
@@ -258,7 +258,7 @@ def prepare_evaluation(opts: EvalOptions) -> EvalJob:
 
 def eval_dir(state_path: str, ema: bool = False) -> Path:
     """<run>/eval for a checkpoint inside a run directory, else eval-<name> beside it."""
-    from paratrain.engine.run_dir import run_dir_of
+    from paratrain.engine.checkpointing.run_dir import run_dir_of
 
     suffix = "-ema" if ema else ""
     path, run = Path(state_path), run_dir_of(state_path)

@@ -32,7 +32,7 @@ def preflight(cfg: TrainConfig, world: int) -> None:
     from paratrain.data.folder import validation_side
     from paratrain.data.loaders import source_of
     from paratrain.data.sources.base import offer
-    from paratrain.engine.run_dir import check_run_dir_free
+    from paratrain.engine.checkpointing.run_dir import check_run_dir_free
 
     check_settings(cfg, world)
     cfg.check_paths()

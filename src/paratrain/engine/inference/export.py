@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from paratrain.config import ExportOptions
-from paratrain.engine.predict import (
+from paratrain.engine.inference.predict import (
     ONNX_INPUT,
     ONNX_META,
     ONNX_OUTPUT,
@@ -29,7 +29,7 @@ from paratrain.models.registry import check_weights_fit
 
 def default_output(checkpoint_path: str, fmt: str, ema: bool) -> Path:
     """<run>/export/model[-ema].<fmt> for a checkpoint of a run, else beside the file."""
-    from paratrain.engine.run_dir import run_dir_of
+    from paratrain.engine.checkpointing.run_dir import run_dir_of
 
     path, run, suffix = Path(checkpoint_path), run_dir_of(checkpoint_path), "-ema" if ema else ""
     if path.is_dir():  # a sharded checkpoint's folder: name the file after it
@@ -84,7 +84,7 @@ def export(
 def _save_checkpoint(checkpoint_path: str, target: str | Path) -> dict[str, str]:
     """One checkpoint file with everything a checkpoint holds: a sharded checkpoint's
     shards consolidated (model whole, optimizer in the single-device layout)."""
-    from paratrain.engine import checkpoint
+    from paratrain.engine.checkpointing import checkpoint
 
     state = checkpoint.load(checkpoint_path)
     cfg = state.train_config(checkpoint_path)

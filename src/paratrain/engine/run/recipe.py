@@ -16,8 +16,8 @@ from torch.optim import sgd as sgd_module  # private: checked by private_sgd_fit
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from paratrain.config import TrainConfig
-from paratrain.engine.precision import Precision
-from paratrain.engine.schedule import peak_lr
+from paratrain.engine.run.precision import Precision
+from paratrain.engine.run.schedule import peak_lr
 from paratrain.errors import AgreedUserError
 from paratrain.parallel import optim_state
 from paratrain.parallel.parts import ModelParts

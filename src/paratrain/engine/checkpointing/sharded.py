@@ -97,7 +97,7 @@ def is_sharded(path: str | Path) -> bool:
 
 def save(directory: Path, parts: ModelParts, optimizer: torch.optim.Optimizer, rest: dict) -> None:
     """A collective: every rank writes its shards into a temporary folder, rank 0 adds
-    ``state.pt`` (``rest``: the checkpoint's other parts, engine/checkpoint.Checkpoint),
+    ``state.pt`` (``rest``: the checkpoint's other parts, engine/checkpointing/checkpoint.Checkpoint),
     then renames the folder into place (the old one is removed after)."""
     tmp = directory.with_name(f".{directory.name}.tmp")
     if comm.is_main():

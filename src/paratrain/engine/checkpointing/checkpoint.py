@@ -10,7 +10,7 @@ dict of tensors and plain values, loaded with ``weights_only``; an older format 
 migrated when read (:func:`migrate`), so a renamed setting never breaks an older file.
 Written to a temporary file, flushed, fsynced and renamed, so a reader sees the old
 file or the new one. Sharded strategies write each rank's shards through
-torch.distributed.checkpoint instead (engine/sharded.py), with the rest in ``state.pt``.
+torch.distributed.checkpoint instead (engine/checkpointing/sharded.py), with the rest in ``state.pt``.
 """
 
 from __future__ import annotations
@@ -32,12 +32,13 @@ from paratrain.config.schema import settings
 from paratrain.config.train import migrate_settings
 from paratrain.distributed import comm
 from paratrain.distributed.runtime import Runtime
-from paratrain.engine import faults, sharded
-from paratrain.engine.preempt import interrupts_deferred
-from paratrain.engine.recipe import Recipe
-from paratrain.engine.run_dir import LAST, run_dir_of
-from paratrain.engine.schedule import Schedule, base_lr, peak_lr
-from paratrain.engine.state import Progress, gathered_rng_states, restore_rng
+from paratrain.engine.checkpointing import sharded
+from paratrain.engine.checkpointing.run_dir import LAST, run_dir_of
+from paratrain.engine.run import faults
+from paratrain.engine.run.preempt import interrupts_deferred
+from paratrain.engine.run.recipe import Recipe
+from paratrain.engine.run.schedule import Schedule, base_lr, peak_lr
+from paratrain.engine.run.state import Progress, gathered_rng_states, restore_rng
 from paratrain.errors import AgreedUserError, UserError
 from paratrain.files import fsync
 from paratrain.log import get_logger, since_start

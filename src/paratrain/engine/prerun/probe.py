@@ -16,9 +16,9 @@ import torch
 from paratrain.config import TrainConfig
 from paratrain.distributed import comm
 from paratrain.distributed.runtime import Runtime
-from paratrain.engine import precision as precision_module
-from paratrain.engine.recipe import build_optimizer, build_recipe
-from paratrain.engine.step import Stepper, train_step
+from paratrain.engine.run import precision as precision_module
+from paratrain.engine.run.recipe import build_optimizer, build_recipe
+from paratrain.engine.run.step import Stepper, train_step
 from paratrain.parallel.parallelize import build_parts
 from paratrain.parallel.parts import ModelParts
 

@@ -16,7 +16,7 @@ import yaml
 from paratrain.config import PRESETS, TrainConfig
 from paratrain.data.folder import DataSplit
 from paratrain.distributed.env import DistEnv
-from paratrain.engine.schedule import describe_schedule
+from paratrain.engine.run.schedule import describe_schedule
 from paratrain.parallel.base import get as strategy_of
 from paratrain.report.run_files import RunFacts, recipe_words
 
@@ -101,7 +101,7 @@ def dry_run(
     from paratrain.data.cache.choose import survey
     from paratrain.data.loaders import read_split
     from paratrain.distributed.runtime import resolve_precision, runs_on_cuda
-    from paratrain.engine.preflight import check_model_input, job_world, oversubscribed
+    from paratrain.engine.prerun.preflight import check_model_input, job_world, oversubscribed
 
     world = job_world(cfg, env)
     launched = env.source == "single" and world > 1
@@ -160,7 +160,7 @@ def dry_run(
 
 def resumable(cfg: TrainConfig, classes: list[str]) -> str:
     """What --resume would continue, checked as the run would check it."""
-    from paratrain.engine import checkpoint, run_dir
+    from paratrain.engine.checkpointing import checkpoint, run_dir
 
     if cfg.resume is None:
         return "no (a new run)"
@@ -190,7 +190,7 @@ def embedded_data(
 
     from paratrain.config import preset_notes
     from paratrain.data.builtin import digits_dir, digits_ready, ensure_digits
-    from paratrain.engine.preflight import (
+    from paratrain.engine.prerun.preflight import (
         already_checked,
         check_devices,
         check_settings,

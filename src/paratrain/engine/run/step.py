@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from paratrain.data.device_batches import to_model
-from paratrain.engine.control import StepControl
-from paratrain.engine.recipe import Recipe
-from paratrain.engine.state import Progress
+from paratrain.engine.run.control import StepControl
+from paratrain.engine.run.recipe import Recipe
+from paratrain.engine.run.state import Progress
 from paratrain.parallel.parts import ModelParts
 
 Lap = Callable[[str], None]  # called as each phase of a step ends (bench times them)

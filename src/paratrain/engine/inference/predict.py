@@ -19,7 +19,7 @@ from paratrain.data.sources.base import is_image, is_junk
 from paratrain.data.transforms import eval_transform
 from paratrain.distributed.env import DistEnv
 from paratrain.distributed.runtime import choose_device
-from paratrain.engine import checkpoint
+from paratrain.engine.checkpointing import checkpoint
 from paratrain.errors import UserError
 from paratrain.models.registry import check_weights_fit, create_model, logits_of
 

@@ -31,9 +31,9 @@ import torch.distributed as dist
 from paratrain.config import TrainConfig
 from paratrain.distributed import comm
 from paratrain.distributed.runtime import Runtime
-from paratrain.engine import faults
-from paratrain.engine.preempt import Preempted, PreemptionGuard, requeue
-from paratrain.engine.state import Progress
+from paratrain.engine.run import faults
+from paratrain.engine.run.preempt import Preempted, PreemptionGuard, requeue
+from paratrain.engine.run.state import Progress
 from paratrain.errors import AgreedUserError
 
 CUDA_CHECK_EVERY = 16
