@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 if TYPE_CHECKING:
     from filelock import BaseFileLock
@@ -58,16 +61,25 @@ def swap_in(tmp: Path, target: Path) -> None:
     shutil.rmtree(parked, ignore_errors=True)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """``path`` holds ``data`` whole, or what it held before."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+@contextmanager
+def replaced(path: Path) -> Iterator[BinaryIO]:
+    """The one way a file is written whole or not at all: a file object whose bytes
+    become ``path`` when the block ends (flushed, fsynced, renamed over it, its folder
+    fsynced). On an error the temporary file is removed and ``path`` is as it was."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with open(tmp, "wb") as handle:
-            handle.write(data)
+        with os.fdopen(fd, "wb") as handle:
+            yield handle
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        Path(tmp).unlink(missing_ok=True)
         raise
     fsync(path.parent)
+
+
+def write_atomic(path: Path, data: bytes | str) -> None:
+    """``path`` holds ``data`` whole (text as UTF-8), or what it held before."""
+    with replaced(path) as handle:
+        handle.write(data.encode() if isinstance(data, str) else data)

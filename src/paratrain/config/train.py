@@ -40,9 +40,10 @@ from paratrain.config.words import (
     WEIGHTS_PREPROCESSING,
 )
 from paratrain.errors import UserError
+from paratrain.files import write_atomic
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig(
     OutputSettings,
     RuntimeSettings,
@@ -223,7 +224,7 @@ class TrainConfig(
 
     def save(self, path: Path) -> None:
         """The resolved config as YAML, reusable with --config: every setting given, so no preset applies again."""
-        path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        write_atomic(path, yaml.safe_dump(self.to_dict(), sort_keys=False))
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], source: str = "config") -> TrainConfig:

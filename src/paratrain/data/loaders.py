@@ -6,7 +6,6 @@ stages read the same batches); evaluation shards every image exactly once.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +40,7 @@ from paratrain.data.transforms import (
 from paratrain.distributed import comm
 from paratrain.distributed.runtime import Runtime, threads_per_process
 from paratrain.errors import AgreedUserError, told_if_full
+from paratrain.files import replaced
 from paratrain.log import get_logger
 
 
@@ -172,7 +172,6 @@ def _with_sides(split: DataSplit, both: Samples, in_val: np.ndarray) -> DataSpli
 
 
 def _write_record(record: Path, split: DataSplit) -> None:
-    tmp = record.with_name(record.name + ".tmp.npz")
     arrays: dict[str, Any] = {
         f"{side}_{field}": value
         for side, samples in (("train", split.train), ("val", split.val))
@@ -183,9 +182,8 @@ def _write_record(record: Path, split: DataSplit) -> None:
             ("versions", samples.versions),
         )
     }
-    with told_if_full(record, sum(a.nbytes for a in arrays.values())):
-        np.savez(tmp, **arrays)
-    os.replace(tmp, record)
+    with told_if_full(record, sum(a.nbytes for a in arrays.values())), replaced(record) as out:
+        np.savez(out, **arrays)
 
 
 def _reconcile(record: Path, both: Samples, n_train: int) -> tuple[np.ndarray, str]:

@@ -15,7 +15,6 @@ entries screens each node's own, with the node's ranks.
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -29,6 +28,7 @@ from paratrain.data.folder import DataSplit, image_problem, leave_stop_signals_t
 from paratrain.data.samples import Samples, as_samples
 from paratrain.distributed import comm
 from paratrain.errors import AgreedUserError
+from paratrain.files import replaced
 from paratrain.log import get_logger
 
 MEMORY_FORMAT = 1
@@ -172,18 +172,17 @@ class ScreenMemory:
             every_why = before["bad_why"][kept].tolist() + every_why
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f".{self.path.stem}.{os.getpid()}.tmp.npz")
-            np.savez(
-                tmp,
-                format=np.array(MEMORY_FORMAT),
-                digest=np.array(self.digest),
-                set_bad_keys=np.array(keys, dtype=str),
-                set_bad_why=np.array([why[k] for k in keys], dtype=str),
-                hashes=np.unique(every).astype(np.uint64),
-                bad_hashes=np.asarray(every_bad, np.uint64),
-                bad_why=np.array(every_why, dtype=str),
-            )
-            os.replace(tmp, self.path)
+            with replaced(self.path) as out:
+                np.savez(
+                    out,
+                    format=np.array(MEMORY_FORMAT),
+                    digest=np.array(self.digest),
+                    set_bad_keys=np.array(keys, dtype=str),
+                    set_bad_why=np.array([why[k] for k in keys], dtype=str),
+                    hashes=np.unique(every).astype(np.uint64),
+                    bad_hashes=np.asarray(every_bad, np.uint64),
+                    bad_why=np.array(every_why, dtype=str),
+                )
         except OSError as exc:
             get_logger().info(f"the screen's verdicts are not kept ({exc.strerror or exc})")
 

@@ -18,11 +18,9 @@ from paratrain.errors import UserError
 SIGNAL_SECONDS = 120  # USR1 this long before the time limit: time to save and requeue
 
 
-def sbatch_script(job: SlurmOptions, train_args: Sequence[str]) -> str:
-    """The batch script; ``train_args`` are passed to ``paratrain train`` unchanged."""
-    job.validate()
-    if any(a == "--nproc" or a.startswith("--nproc=") for a in train_args):
-        raise UserError("paratrain slurm: leave out --nproc; --nodes and --gpus-per-node set it")
+def _sbatch_header(job: SlurmOptions) -> list[str]:
+    """The #SBATCH lines: one torchrun agent per node, the resources asked, and a signal
+    before the time limit so that the run saves and requeues."""
     header = [
         f"#SBATCH --job-name={job.job_name}",
         f"#SBATCH --nodes={job.nodes}",
@@ -41,6 +39,15 @@ def sbatch_script(job: SlurmOptions, train_args: Sequence[str]) -> str:
         "#SBATCH --open-mode=append",
         "#SBATCH --output=%x-%j.out",
     ]
+    return header
+
+
+def sbatch_script(job: SlurmOptions, train_args: Sequence[str]) -> str:
+    """The batch script; ``train_args`` are passed to ``paratrain train`` unchanged."""
+    job.validate()
+    if any(a == "--nproc" or a.startswith("--nproc=") for a in train_args):
+        raise UserError("paratrain slurm: leave out --nproc; --nodes and --gpus-per-node set it")
+    header = _sbatch_header(job)
     args = list(train_args)
     for flag, extra in (
         ("--requeue", []),

@@ -34,6 +34,50 @@ def optimizer_slots(opt: str, momentum: float) -> int:
     return 1 if momentum > 0 else 0
 
 
+def _forward_saving(stages, sample, cast, autocast, weights, shapes, saved):
+    """Each stage's forward on the one before's output (its inputs, outputs and seconds);
+    into ``saved``, where given, the bytes each stage's autograd saves for backward."""
+    inputs, outputs, forward = [], [], []
+    x = sample
+    for index, stage in enumerate(stages):
+        x = x.detach().requires_grad_(x.is_floating_point() and index > 0)
+        inputs.append(x)
+        seen: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor, seen=seen) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            if tensor.dtype == autocast and tuple(tensor.shape) in shapes:
+                return tensor  # a weight's autocast copy
+            if storage.data_ptr() not in weights:  # a weight's view (linear's t())
+                seen[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        start = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast():
+            x = stage(x)
+        forward.append(time.perf_counter() - start)
+        outputs.append(x)
+        if saved is not None:
+            saved[index] = sum(seen.values())
+    return inputs, outputs, forward
+
+
+def _backward_timed(stages, inputs, outputs, forward, timings) -> None:
+    """Each stage's backward, last first; into ``timings``, where given, its forward plus
+    backward seconds."""
+    grad = torch.ones_like(outputs[-1]) / outputs[-1].numel()
+    for index in range(len(stages) - 1, -1, -1):
+        start = time.perf_counter()
+        wanted: list[torch.Tensor] = [inputs[index]] if inputs[index].requires_grad else []
+        wanted += [p for p in stages[index].parameters() if p.requires_grad]
+        grads = torch.autograd.grad(outputs[index], wanted, grad, allow_unused=True)
+        if timings is not None:
+            timings[index].append(forward[index] + time.perf_counter() - start)
+        grad = grads[0] if inputs[index].requires_grad else None
+        if grad is None and index > 0:
+            grad = torch.zeros_like(outputs[index - 1])
+
+
 @dataclass
 class Unit:
     """Consecutive graph nodes between two cut points."""
@@ -271,39 +315,9 @@ def profile(
     timings: list[list[float]] = [[] for _ in stages]
     saved = [0] * len(stages)
     for attempt in range(repeats + 1):
-        inputs, outputs, forward = [], [], []
-        x = sample
-        for index, stage in enumerate(stages):
-            x = x.detach().requires_grad_(x.is_floating_point() and index > 0)
-            inputs.append(x)
-            seen: dict[int, int] = {}
-
-            def pack(tensor: torch.Tensor, seen=seen) -> torch.Tensor:
-                storage = tensor.untyped_storage()
-                if tensor.dtype == autocast and tuple(tensor.shape) in shapes:
-                    return tensor  # a weight's autocast copy
-                if storage.data_ptr() not in weights:  # a weight's view (linear's t())
-                    seen[storage.data_ptr()] = storage.nbytes()
-                return tensor
-
-            start = time.perf_counter()
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast():
-                x = stage(x)
-            forward.append(time.perf_counter() - start)
-            outputs.append(x)
-            if attempt == 0:
-                saved[index] = sum(seen.values())
-        grad = torch.ones_like(outputs[-1]) / outputs[-1].numel()
-        for index in range(len(stages) - 1, -1, -1):
-            start = time.perf_counter()
-            wanted: list[torch.Tensor] = [inputs[index]] if inputs[index].requires_grad else []
-            wanted += [p for p in stages[index].parameters() if p.requires_grad]
-            grads = torch.autograd.grad(outputs[index], wanted, grad, allow_unused=True)
-            if attempt > 0:
-                timings[index].append(forward[index] + time.perf_counter() - start)
-            grad = grads[0] if inputs[index].requires_grad else None
-            if grad is None and index > 0:
-                grad = torch.zeros_like(outputs[index - 1])
+        inputs, outputs, forward = _forward_saving(stages, sample, cast, autocast, weights, shapes,
+                                                   saved if attempt == 0 else None)  # fmt: skip
+        _backward_timed(stages, inputs, outputs, forward, timings if attempt > 0 else None)
     for unit, seconds, nbytes in zip(traced.units, timings, saved, strict=True):
         unit.seconds = statistics.median(seconds)
         unit.activation_bytes = nbytes

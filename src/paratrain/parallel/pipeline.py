@@ -254,6 +254,26 @@ class Pipeline(Strategy):
     def memory(self, profile: MemoryProfile) -> DeviceMemory:
         return staged_memory(self.name, profile, pipelined=True)
 
+    @staticmethod
+    def _cut(traced, starts, cfg: TrainConfig, runtime: Runtime, stages: int, replicas: int):
+        """Rank 0: each unit timed and weighed, the cut chosen where not given (the
+        whole batch's activations: GPipe's case, 1F1B's bound), and said."""
+        micro = cfg.batch // cfg.microbatches  # what a stage computes at once
+        partition.measure(
+            traced, partition.sample_images(cfg.train_size, micro, torch.contiguous_format)
+        )
+        if starts is None:
+            slots = partition.optimizer_slots(cfg.opt, cfg.momentum)
+            limit = partition.device_memory(runtime.device)
+            starts = partition.choose_starts(traced, stages, cfg.batch, slots, limit)
+        where = [
+            f"rank {s}" + (f" (and {replicas - 1} replica(s))" if replicas > 1 else "")
+            for s in range(stages)
+        ]
+        plans = partition.describe(traced, starts)
+        get_logger().info(partition.format_plan(plans, where, max(2, micro)))
+        return starts
+
     def wrap(self, model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> PipelineParts:
         """This process's stage of the model, in a schedule over micro-batches."""
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -280,20 +300,7 @@ class Pipeline(Strategy):
             raise AgreedUserError(str(exc)) from None
         # rank 0 measures and decides; timings differ between processes, the cut must not
         if runtime.is_main:
-            micro = cfg.batch // cfg.microbatches  # what a stage computes at once
-            partition.measure(
-                traced, partition.sample_images(cfg.train_size, micro, torch.contiguous_format)
-            )
-            if starts is None:  # the whole batch's activations: GPipe's case, 1F1B's bound
-                slots = partition.optimizer_slots(cfg.opt, cfg.momentum)
-                limit = partition.device_memory(runtime.device)
-                starts = partition.choose_starts(traced, stages, cfg.batch, slots, limit)
-            where = [
-                f"rank {s}" + (f" (and {replicas - 1} replica(s))" if replicas > 1 else "")
-                for s in range(stages)
-            ]
-            plans = partition.describe(traced, starts)
-            get_logger().info(partition.format_plan(plans, where, max(2, micro)))
+            starts = self._cut(traced, starts, cfg, runtime, stages, replicas)
         agreed = comm.broadcast_object(starts)
         assert agreed is not None  # rank 0 chose them
         module = partition.build_stages(traced, agreed, contiguous_outputs=True)[layout.stage]

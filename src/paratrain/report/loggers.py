@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from paratrain.errors import UserError
+from paratrain.files import write_atomic
 from paratrain.log import get_logger
 from paratrain.report.trackers.base import Tracker, kind
 
@@ -61,7 +62,7 @@ class Loggers:
                     raise UserError(f"{told} (--on-tracker-error warn trains without it)") from None
                 get_logger().warning(f"{told}; training without it (--on-tracker-error warn)")
         if ids:
-            (run_dir / IDS).write_text(json.dumps(ids, indent=2) + "\n")
+            write_atomic(run_dir / IDS, json.dumps(ids, indent=2) + "\n")
 
     @property
     def active(self) -> bool:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from paratrain.errors import told_if_full
+from paratrain.files import write_atomic
 from paratrain.report.scores import SCORES
 
 # metrics.csv's columns: every registered score of the validation (report/scores)
@@ -37,7 +38,7 @@ class MetricsWriter:
     def drop_after(self, epoch: int) -> None:
         """On resume, forget rows of epochs that are about to be run again."""
         rows = [r for r in self.read() if r["epoch"] <= epoch]
-        self.jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        write_atomic(self.jsonl, "".join(json.dumps(r) + "\n" for r in rows))
         with self.csv.open("w", newline="") as handle:
             writer = csv.DictWriter(handle, fieldnames=COLUMNS, extrasaction="ignore")
             writer.writeheader()

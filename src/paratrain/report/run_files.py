@@ -16,6 +16,7 @@ from paratrain.config import TrainConfig
 from paratrain.data.folder import DataSplit
 from paratrain.distributed import comm
 from paratrain.distributed.runtime import Runtime
+from paratrain.files import write_atomic
 from paratrain.log import get_logger, since_start
 from paratrain.report.metrics import MetricsWriter
 
@@ -24,7 +25,7 @@ def write_run_files(cfg: TrainConfig, split: DataSplit, run_dir: Path) -> None:
     """config.yaml (the resolved config, reusable with --config) and class_indices.json."""
     resolved = TrainConfig(**{**cfg.to_dict(), "name": run_dir.name})
     resolved.save(run_dir / "config.yaml")
-    (run_dir / "class_indices.json").write_text(json.dumps(split.class_index(), indent=2) + "\n")
+    write_atomic(run_dir / "class_indices.json", json.dumps(split.class_index(), indent=2) + "\n")
 
 
 @dataclass
@@ -149,7 +150,7 @@ def summarise(
     )
     assert summary is not None  # rank 0's, on every rank
     if runtime.is_main:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         best = summary["best_val_top1"]
         skipped = f", {skipped_steps} non-finite step(s) skipped" if skipped_steps else ""
         get_logger().info(  # an epoch ran (a run with none left ends in nothing_left)

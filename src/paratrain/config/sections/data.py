@@ -8,7 +8,7 @@ from paratrain.config.schema import setting
 from paratrain.config.words import CACHE_MODES, INTERPOLATIONS, MAX_IMAGE_SIZE, NUMBERS3, SCORES
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataSettings:
     data: str | None = setting(
         None,

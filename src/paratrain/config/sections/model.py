@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from paratrain.config.schema import setting
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelSettings:
     model: str = setting(
         "resnet18",

@@ -9,7 +9,7 @@ from paratrain.config.schema import setting
 from paratrain.config.words import OPTIMIZERS
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimizationSettings:
     batch_size: int | Literal["auto"] = setting(
         16,

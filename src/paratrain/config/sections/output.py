@@ -8,7 +8,7 @@ from paratrain.config.schema import setting
 from paratrain.config.words import RUN_NAME, TRACKERS
 
 
-@dataclass
+@dataclass(frozen=True)
 class OutputSettings:
     output_dir: str = setting(
         "runs", "parent of run directories", group="output", metavar="DIR", resume="quiet"

@@ -9,7 +9,7 @@ from paratrain.config.schema import setting
 from paratrain.config.words import DEVICE, DEVICE_TEXT, MAX_SECONDS, STRATEGIES
 
 
-@dataclass
+@dataclass(frozen=True)
 class RuntimeSettings:
     precision: str = setting(
         "auto",

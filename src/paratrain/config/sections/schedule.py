@@ -8,7 +8,7 @@ from paratrain.config.schema import setting
 from paratrain.config.words import DURATION
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScheduleSettings:
     epochs: int = setting(10, "passes over the training images", group="optimisation", low=1)
     max_steps: int | None = setting(

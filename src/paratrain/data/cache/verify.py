@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import threading
 import zlib
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import TYPE_CHECKING
 from paratrain.data.cache.base import BLOCK, CACHE_FORMAT, MANIFEST, kind
 from paratrain.distributed import comm
 from paratrain.errors import AgreedUserError
-from paratrain.files import fsync
+from paratrain.files import write_atomic
 
 if TYPE_CHECKING:
     from paratrain.data.cache.read import DecodedCache
@@ -100,10 +99,7 @@ def write_manifest(directory: Path, kind_name: str, images: int, short: int, bad
         "parts": parts,
         "bad": bad,
     }
-    tmp = directory / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest) + "\n")
-    fsync(tmp)
-    os.replace(tmp, directory / MANIFEST)
+    write_atomic(directory / MANIFEST, json.dumps(manifest) + "\n")
 
 
 def verify(directory: Path, images: int, short: int, kind: str) -> str | None:

@@ -20,7 +20,7 @@ import numpy as np
 from paratrain.data.samples import PackedStrings, Samples
 from paratrain.data.sources.base import Listing, Source, SourceKind, SourceOptions, is_image
 from paratrain.errors import UserError
-from paratrain.files import write_atomic
+from paratrain.files import replaced, write_atomic
 
 PREFIX = "wds:"
 
@@ -128,14 +128,11 @@ class WebDatasetSource(Source):
         folder.mkdir(parents=True, exist_ok=True)
         with FileLock(str(folder / ".lock")):
             if not target.is_file():
-                tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
                 try:
-                    with fsspec.open(url, "rb") as remote, open(tmp, "wb") as local:
+                    with fsspec.open(url, "rb") as remote, replaced(target) as local:
                         while chunk := remote.read(8 << 20):
                             local.write(chunk)
-                    os.replace(tmp, target)
                 except OSError as exc:
-                    tmp.unlink(missing_ok=True)
                     raise UserError(f"--data wds: cannot fetch {url}: {exc}") from None
         return str(target)
 

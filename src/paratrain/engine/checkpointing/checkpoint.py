@@ -19,7 +19,7 @@ import dataclasses
 import os
 import pickle
 import shutil
-import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,7 @@ from paratrain.engine.run.recipe import Recipe
 from paratrain.engine.run.schedule import Schedule, base_lr, peak_lr
 from paratrain.engine.run.state import Progress, gathered_rng_states, restore_rng
 from paratrain.errors import AgreedUserError, UserError
-from paratrain.files import fsync
+from paratrain.files import fsync, replaced
 from paratrain.log import get_logger, since_start
 from paratrain.parallel.parts import ModelParts
 
@@ -131,27 +131,15 @@ def save_atomic(state: dict[str, Any], path: Path) -> None:
     (a full disk, a file size limit) is one line; the old file stays as it was."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as exc:
-        raise UserError(f"cannot write checkpoint {path}: {exc.strerror or exc}") from None
-    try:
-        with os.fdopen(fd, "wb") as handle:
+        with replaced(path) as handle:
             torch.save(state, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
     except (OSError, RuntimeError) as exc:  # torch's zip writer reports write errors so
-        Path(tmp).unlink(missing_ok=True)
         cause = exc.__context__ if isinstance(exc.__context__, OSError) else exc
         reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause)
         kept = "the previous one is unchanged" if path.exists() else "none was saved before"
         raise UserError(
             f"cannot write checkpoint {path}: {reason.strip().splitlines()[0][:200]} ({kept})"
         ) from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync(path.parent)
 
 
 def copy_atomic(state: dict[str, Any], written: Path, path: Path) -> None:
@@ -161,7 +149,7 @@ def copy_atomic(state: dict[str, Any], written: Path, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.link")
     try:
         tmp.unlink(missing_ok=True)
-        os.link(written, tmp)
+        os.link(written, tmp)  # the same inode: its bytes were fsynced when written
         os.replace(tmp, path)
     except OSError:
         tmp.unlink(missing_ok=True)
@@ -238,7 +226,7 @@ class Checkpointer:
         runtime: Runtime,
         parts: ModelParts,
         optimizer: torch.optim.Optimizer,
-        schedule: Schedule,
+        schedule: Callable[[], Schedule],
         classes: list[str],
         recipe: Recipe,
     ):
@@ -320,7 +308,7 @@ class Checkpointer:
             layout=dataclasses.asdict(self.parts.layout),
             lr=base_lr(self.optimizer),
             val_top1=val_top1,
-            schedule=dataclasses.asdict(self.schedule),
+            schedule=dataclasses.asdict(self.schedule()),
         )
 
 

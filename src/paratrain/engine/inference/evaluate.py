@@ -148,12 +148,7 @@ def evaluate(
     each rank's first ``limit`` batches (--limit-val-batches: a smoke run)."""
     was_training = model.training
     model.eval()
-    k = 5 if num_classes >= 5 else None
-    losses: list[torch.Tensor] = []
-    correct1 = torch.zeros((), dtype=torch.int64)
-    correct5 = torch.zeros((), dtype=torch.int64)
-    confusion = torch.zeros(num_classes * num_classes, dtype=torch.int64)
-    predicted: list[int] = []
+    tally = _Tally(num_classes, detailed)
     fmt = getattr(model, "memory_format", torch.preserve_format)
     label_device = getattr(model, "output_device", None) or device
     mine = len(loader) if limit is None else min(len(loader), limit)
@@ -166,41 +161,62 @@ def evaluate(
         images = images.to(device, non_blocking=True, memory_format=fmt)
         labels = labels.to(label_device, non_blocking=True)
         logits = _full_batch_logits(model, images, loader.batch_size, tta)
-        if logits is None:
-            continue
-        losses.append(nn.functional.cross_entropy(logits, labels, reduction="none").double().cpu())
-        top = logits.topk(k or 1, dim=1).indices
-        hits = top.eq(labels[:, None])
-        correct1 += hits[:, 0].sum().cpu()
-        if k:
-            correct5 += hits.any(dim=1).sum().cpu()
-        pairs = (labels * num_classes + top[:, 0]).cpu()  # exact: counts, summed over ranks
-        confusion += torch.bincount(pairs, minlength=num_classes * num_classes)
-        if detailed:
-            predicted += top[:, 0].tolist()
+        if logits is not None:
+            tally.add(logits, labels)
     _pad_forward_calls(model, loader, images, calls - mine, tta)
     model.train(was_training)
+    return tally.result(loader)
 
-    local = torch.cat(losses) if losses else torch.zeros(0, dtype=torch.float64)
-    # fsum of every per-sample loss is exactly rounded, so independent of rank order.
-    all_losses = [x for part in comm.all_gather_object(local.tolist()) for x in part]
-    counts = comm.all_reduce_sum(torch.stack([correct1, correct5, torch.tensor(len(local))]))
-    n = int(counts[2])
-    if n == 0:
-        return EvalResult(loss=float("nan"), top1=float("nan"), top5=None, count=0)
-    predictions = None
-    if detailed:
-        indices = list(getattr(loader.sampler, "indices", range(len(predicted))))
-        pairs = list(zip(indices, predicted, strict=True))
-        predictions = sorted(p for part in comm.all_gather_object(pairs) for p in part)
-    return EvalResult(
-        loss=math.fsum(all_losses) / n,
-        top1=int(counts[0]) / n,
-        top5=int(counts[1]) / n if k else None,
-        count=n,
-        confusion=comm.all_reduce_sum(confusion).view(num_classes, num_classes),
-        predictions=predictions,
-    )
+
+class _Tally:
+    """This rank's sums over its shard: each sample's loss, top-1 and top-5 hits, the
+    confusion counts and (``detailed``) each prediction; ``result`` gathers every
+    rank's into one exact result."""
+
+    def __init__(self, num_classes: int, detailed: bool):
+        self.classes, self.detailed = num_classes, detailed
+        self.k = 5 if num_classes >= 5 else None
+        self.losses: list[torch.Tensor] = []
+        self.correct1 = torch.zeros((), dtype=torch.int64)
+        self.correct5 = torch.zeros((), dtype=torch.int64)
+        self.confusion = torch.zeros(num_classes * num_classes, dtype=torch.int64)
+        self.predicted: list[int] = []
+
+    def add(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        loss = nn.functional.cross_entropy(logits, labels, reduction="none")
+        self.losses.append(loss.double().cpu())
+        top = logits.topk(self.k or 1, dim=1).indices
+        hits = top.eq(labels[:, None])
+        self.correct1 += hits[:, 0].sum().cpu()
+        if self.k:
+            self.correct5 += hits.any(dim=1).sum().cpu()
+        pairs = (labels * self.classes + top[:, 0]).cpu()  # exact: counts, summed over ranks
+        self.confusion += torch.bincount(pairs, minlength=self.classes * self.classes)
+        if self.detailed:
+            self.predicted += top[:, 0].tolist()
+
+    def result(self, loader: DataLoader) -> EvalResult:
+        local = torch.cat(self.losses) if self.losses else torch.zeros(0, dtype=torch.float64)
+        # fsum of every per-sample loss is exactly rounded, so independent of rank order.
+        all_losses = [x for part in comm.all_gather_object(local.tolist()) for x in part]
+        counts = torch.stack([self.correct1, self.correct5, torch.tensor(len(local))])
+        counts = comm.all_reduce_sum(counts)
+        n = int(counts[2])
+        if n == 0:
+            return EvalResult(loss=float("nan"), top1=float("nan"), top5=None, count=0)
+        predictions = None
+        if self.detailed:
+            indices = list(getattr(loader.sampler, "indices", range(len(self.predicted))))
+            pairs = list(zip(indices, self.predicted, strict=True))
+            predictions = sorted(p for part in comm.all_gather_object(pairs) for p in part)
+        return EvalResult(
+            loss=math.fsum(all_losses) / n,
+            top1=int(counts[0]) / n,
+            top5=int(counts[1]) / n if self.k else None,
+            count=n,
+            confusion=comm.all_reduce_sum(self.confusion).view(self.classes, self.classes),
+            predictions=predictions,
+        )
 
 
 @dataclass

@@ -98,8 +98,6 @@ def dry_run(
     ``unwritten``: where the embedded digits set would first be written."""
     import torch
 
-    from paratrain.data.cache.choose import survey
-    from paratrain.data.loaders import read_split
     from paratrain.distributed.runtime import resolve_precision, runs_on_cuda
     from paratrain.engine.prerun.preflight import check_model_input, job_world, oversubscribed
 
@@ -107,29 +105,7 @@ def dry_run(
     launched = env.source == "single" and world > 1
     cuda = runs_on_cuda(cfg.device)
     check_model_input(cfg, world)
-    if unwritten is not None:
-        data = f"the embedded digits set, written to {unwritten} by the first run"
-        cache = "decided once the digits set is written"
-        resume = ""
-    else:
-        split = read_split(cfg)
-        data = data_words(cfg, split)
-        plan = survey(
-            split.train + split.val,
-            cfg.image_size,
-            cfg.cache,
-            cfg.cache_max_gb,
-            cfg.cache_dir,
-            short=cfg.stored_size,
-            interpolation=cfg.interpolation,
-        )
-        size = f"{plan.kind}, about {plan.nbytes / 2**30:.2f} GB"
-        cache = {
-            "ready": f"ready: {plan.kind}, {plan.nbytes / 2**30:.2f} GB at {plan.directory}",
-            "build": f"would be built: {plan.reason or size}, at {plan.directory}",
-            "skip": f"off ({plan.reason})",
-        }[plan.action]
-        resume = resumable(cfg, split.classes)
+    data, cache, resume = _what_it_reads(cfg, unwritten)
     facts = run_facts(
         cfg,
         processes=(
@@ -156,6 +132,33 @@ def dry_run(
             *("  " + line for line in yaml.safe_dump(cfg.to_dict(), sort_keys=False).splitlines()),
         ]
     )
+
+
+def _what_it_reads(cfg: TrainConfig, unwritten: Path | None) -> tuple[str, str, str]:
+    """(the data, the cache, what --resume continues) as the dry run says them."""
+    from paratrain.data.cache.choose import survey
+    from paratrain.data.loaders import read_split
+
+    if unwritten is not None:
+        data = f"the embedded digits set, written to {unwritten} by the first run"
+        return data, "decided once the digits set is written", ""
+    split = read_split(cfg)
+    plan = survey(
+        split.train + split.val,
+        cfg.image_size,
+        cfg.cache,
+        cfg.cache_max_gb,
+        cfg.cache_dir,
+        short=cfg.stored_size,
+        interpolation=cfg.interpolation,
+    )
+    size = f"{plan.kind}, about {plan.nbytes / 2**30:.2f} GB"
+    cache = {
+        "ready": f"ready: {plan.kind}, {plan.nbytes / 2**30:.2f} GB at {plan.directory}",
+        "build": f"would be built: {plan.reason or size}, at {plan.directory}",
+        "skip": f"off ({plan.reason})",
+    }[plan.action]
+    return data_words(cfg, split), cache, resumable(cfg, split.classes)
 
 
 def resumable(cfg: TrainConfig, classes: list[str]) -> str:

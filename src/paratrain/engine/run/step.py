@@ -64,6 +64,31 @@ def train_step(
     )
     if control is not None:
         control.begin_step(parts.buffers())
+    sums, images_seen = _micro_steps(stepper, micro_batches, count, sync, lap)
+    if recipe.freezing is not None:  # --freeze-epochs: the backbone's gradients dropped
+        recipe.freezing.drop_grads()
+    if lap is not None:
+        lap("backward")
+    skipped: bool | torch.Tensor = False
+    if control is not None:
+        skipped = control.judge(sums[0], progress or Progress())
+    if skipped is not True:
+        sums = _update(stepper, sums, skipped)
+    if control is not None:
+        control.end_step(skipped)
+    optimizer.zero_grad(set_to_none=True)
+    if lap is not None:
+        lap("optimizer")
+    return StepResult(sums, images_seen, skipped)
+
+
+def _micro_steps(
+    stepper: Stepper, micro_batches: Iterable, count: int, sync: bool, lap: Lap | None
+) -> tuple[torch.Tensor, int]:
+    """Forward and backward over the step's micro-batches (the last one averaging the
+    gradients, where ``sync``): the loss, correct and image sums where the model
+    computes, and the images this process saw."""
+    parts, recipe = stepper.parts, stepper.recipe
     sums = torch.zeros(3, dtype=torch.float64, device=parts.output_device)
     images_seen = 0
     for micro, (images, labels) in enumerate(micro_batches):
@@ -86,27 +111,21 @@ def train_step(
             sums[1] += (logits.argmax(1) == labels).sum()
             sums[2] += n
     parts.after_backward()
-    if recipe.freezing is not None:  # --freeze-epochs: the backbone's gradients dropped
-        recipe.freezing.drop_grads()
-    if lap is not None:
-        lap("backward")
-    skipped: bool | torch.Tensor = False
-    if control is not None:
-        skipped = control.judge(sums[0], progress or Progress())
-    if skipped is not True:
-        if recipe.clip_grad is not None:
-            recipe.precision.unscale(optimizer)
-            grads = [p for p in parts.parameters() if p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(grads, recipe.clip_grad)
-        flag = skipped if isinstance(skipped, torch.Tensor) else None
-        recipe.precision.step(optimizer, found_inf=flag)
-        if recipe.ema is not None:
-            recipe.ema.update()
-        if flag is not None:
-            sums = torch.where(flag > 0, 0.0, sums)
-    if control is not None:
-        control.end_step(skipped)
-    optimizer.zero_grad(set_to_none=True)
-    if lap is not None:
-        lap("optimizer")
-    return StepResult(sums, images_seen, skipped)
+    return sums, images_seen
+
+
+def _update(stepper: Stepper, sums: torch.Tensor, skipped: bool | torch.Tensor) -> torch.Tensor:
+    """Clip, step the optimizer (skipped on the device where ``skipped`` is a flag there)
+    and the EMA; the step's sums, zero where the flag skipped it."""
+    parts, recipe, optimizer = stepper.parts, stepper.recipe, stepper.optimizer
+    if recipe.clip_grad is not None:
+        recipe.precision.unscale(optimizer)
+        grads = [p for p in parts.parameters() if p.grad is not None]
+        torch.nn.utils.clip_grad_norm_(grads, recipe.clip_grad)
+    flag = skipped if isinstance(skipped, torch.Tensor) else None
+    recipe.precision.step(optimizer, found_inf=flag)
+    if recipe.ema is not None:
+        recipe.ema.update()
+    if flag is not None:
+        sums = torch.where(flag > 0, 0.0, sums)
+    return sums
