@@ -27,7 +27,7 @@ from paratrain.config import TrainConfig
 from paratrain.distributed import comm
 from paratrain.distributed.env import detect
 from paratrain.distributed.runtime import Runtime
-from paratrain.engine.checkpointing import sharded
+from paratrain.parallel import sharded
 from paratrain.engine.checkpointing.checkpoint import save_atomic
 from paratrain.engine.run.precision import Precision
 from paratrain.engine.run.recipe import build_optimizer

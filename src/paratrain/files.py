@@ -8,8 +8,8 @@ to the disk, then renamed; a reader finds the old one or the new one, never a to
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -66,7 +66,9 @@ def replaced(path: Path) -> Iterator[BinaryIO]:
     """The one way a file is written whole or not at all: a file object whose bytes
     become ``path`` when the block ends (flushed, fsynced, renamed over it, its folder
     fsynced). On an error the temporary file is removed and ``path`` is as it was."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    # created as open() creates (0666 less the umask): others may read a run's files
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as handle:
             yield handle

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratrain.engine.checkpointing.checkpoint import prune_epochs, save_atomic
+from paratrain.engine.checkpointing.checkpoint import prune_epochs
+from paratrain.parallel.checkpoint_io import save_atomic
 
 pytestmark = pytest.mark.slow
 

@@ -14,11 +14,10 @@ import torch
 from paratrain.config import TrainConfig
 from paratrain.distributed.env import detect
 from paratrain.distributed.runtime import Runtime
-from paratrain.engine.checkpointing import sharded
 from paratrain.engine.checkpointing.checkpoint import load
 from paratrain.engine.run.recipe import build_optimizer
 from paratrain.models.registry import build_model
-from paratrain.parallel import optim_state
+from paratrain.parallel import optim_state, sharded
 from paratrain.parallel.parallelize import parallelize
 from spawn import run_distributed
 

@@ -97,7 +97,7 @@ def test_an_hsdp_checkpoint_reshards_into_fsdp_and_into_one_process(two_nodes):
                     "--resume", str(root / "runs/to-fsdp/checkpoints/last"))  # fmt: skip
     assert alone.returncode == 0, alone.stderr
     assert "world size 2 -> 1" in alone.stdout
-    assert checkpoint.load(root / "runs/to-ddp/checkpoints/last.pt").progress.epoch == 4
+    assert checkpoint.load(root / "runs/to-ddp/checkpoints/last.pt").progress["epoch"] == 4
 
 
 def test_one_file_reshards_into_hsdp_on_two_nodes_and_hsdp_into_fsdp(two_nodes, tmp_path):
@@ -111,4 +111,4 @@ def test_one_file_reshards_into_hsdp_on_two_nodes_and_hsdp_into_fsdp(two_nodes, 
     config["resume"] = str(tmp_path / "from-ddp/checkpoints/last")
     run_distributed(fit_on_rank, 2, config)  # hsdp's 2x2 shards -> fsdp's 2
     moved = checkpoint.load(tmp_path / "to-fsdp/checkpoints/last")
-    assert moved.progress.epoch == 4 and moved.strategy == "fsdp"
+    assert moved.progress["epoch"] == 4 and moved.strategy == "fsdp"

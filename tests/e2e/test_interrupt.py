@@ -118,7 +118,7 @@ def test_ctrl_c_is_told_once_and_the_run_resumes_from_what_it_kept(tmp_path, npr
     assert len(told) == 1, err
     assert told[0].startswith(f"paratrain: interrupted; its last checkpoint {Path('runs/r')}")
     assert told[0].endswith("--resume runs/r continues from it")
-    reached = checkpoint.load(saved).progress.epoch
+    reached = checkpoint.load(saved).progress["epoch"]
     assert reached >= 1
 
 
@@ -145,7 +145,7 @@ def test_a_signal_to_the_whole_group_reaches_loader_workers_and_still_saves(
         tmp_path, data, "g", "--cache", "off", "--workers", "1", "--nproc", str(nproc),
         "--save-every-steps", "1000",
     )  # fmt: skip
-    first = checkpoint.load(saved).progress.global_step
+    first = checkpoint.load(saved).progress["global_step"]
     time.sleep(1.5)  # inside a later epoch, its loader workers busy
     os.killpg(run.pid, sig)
     out, err = run.output(timeout=120)
@@ -167,7 +167,7 @@ def test_a_rank_told_to_stop_twice_saves_once(tmp_path):
         tmp_path, data, "twice", "--cache", "off", "--workers", "0", "--nproc", "2",
         "--save-every-steps", "1000",
     )  # fmt: skip
-    first = checkpoint.load(saved).progress.global_step
+    first = checkpoint.load(saved).progress["global_step"]
     time.sleep(1.5)  # inside a later epoch
     os.killpg(run.pid, signal.SIGUSR1)
     time.sleep(0.05)

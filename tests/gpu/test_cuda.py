@@ -91,7 +91,7 @@ def test_a_run_on_cuda_saves_and_resumes_everything(tmp_path, data, precision):
     first = train(TrainConfig(**settings, **_run()))
     assert first["final"]["val_count"] == 6 and math.isfinite(first["final"]["train_loss"])
     state = checkpoint.load(tmp_path / "runs/r/checkpoints/last.pt")
-    cuda_rng = state.rng[0]["cuda"]
+    cuda_rng = state.parts["rng"][0]["cuda"]
     assert len(cuda_rng) == torch.cuda.device_count() and cuda_rng[0].dtype == torch.uint8
     if precision == "16-mixed":
         assert state.scaler["scale"] > 0

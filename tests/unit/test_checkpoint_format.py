@@ -21,7 +21,7 @@ V1 = Path(__file__).resolve().parents[1] / "data" / "checkpoint-v1"
 def test_a_format_1_file_reads_as_a_typed_checkpoint():
     state = checkpoint.load(V1 / "ema.pt")
     assert isinstance(state, Checkpoint) and state.format == FORMAT
-    assert state.progress.epoch == 1 and state.progress.step_in_epoch == 0
+    assert state.progress["epoch"] == 1 and state.progress["step_in_epoch"] == 0
     assert state.classes == ["class_0", "class_1", "class_2"]
     assert state.ema is not None and state.ema["n_averaged"] == 6  # 24 images, batch 4
     assert set(state.weights(V1 / "ema.pt", ema=True)) == set(state.model)
@@ -32,17 +32,17 @@ def test_a_format_1_file_reads_as_a_typed_checkpoint():
 def test_a_format_1_mid_epoch_file_keeps_where_training_stood():
     state = checkpoint.load(V1 / "mid-epoch.pt")
     progress = state.progress
-    assert (progress.epoch, progress.step_in_epoch, progress.consumed) == (1, 1, 8)
-    assert progress.global_step == 4 and progress.totals.tolist() == pytest.approx(
+    assert (progress["epoch"], progress["step_in_epoch"], progress["consumed"]) == (1, 1, 8)
+    assert progress["global_step"] == 4 and progress["totals"].tolist() == pytest.approx(
         [2.03, 3.0, 4.0], abs=1e-3
     )
     assert state.replicas == 2 and state.processes == 2 and state.strategy == "ddp"
-    assert len(state.rng) == 2 and state.optimizer is not None
+    assert len(state.parts["rng"]) == 2 and state.optimizer is not None
 
 
 def test_a_format_1_sharded_checkpoint_consolidates():
     whole = checkpoint.load(V1 / "fsdp")
-    assert whole.sharded and whole.progress.epoch == 1
+    assert whole.sharded and whole.progress["epoch"] == 1
     assert set(whole.model) == set(checkpoint.load(V1 / "ema.pt").model)
     assert whole.optimizer is not None and len(whole.optimizer["state"]) > 0
 
@@ -50,8 +50,10 @@ def test_a_format_1_sharded_checkpoint_consolidates():
 def test_saving_and_reading_back_keeps_every_part():
     state = checkpoint.load(V1 / "mid-epoch.pt")
     again = Checkpoint.from_dict(state.to_dict())
-    assert again.progress.state_dict().keys() == state.progress.state_dict().keys()
-    assert again.progress.consumed == 8 and again.replicas == 2
+    assert (
+        again.parts.keys() == state.parts.keys() and again.progress.keys() == state.progress.keys()
+    )
+    assert again.progress["consumed"] == 8 and again.replicas == 2
     for key, value in state.model.items():
         assert torch.equal(again.model[key], value)
 
@@ -73,4 +75,60 @@ def test_a_run_resumes_from_a_format_1_checkpoint(tmp_path, monkeypatch, capsys)
     out = capsys.readouterr().out
     assert "resumed from old.pt at epoch 2, step 2" in out  # 8 images of 2 x 4 a step
     resumed = checkpoint.load(tmp_path / "runs/again/checkpoints/last.pt")
+    assert resumed.format == FORMAT and resumed.progress["epoch"] == 2
+
+
+V2 = Path(__file__).resolve().parents[1] / "data" / "checkpoint-v2"
+
+
+def test_a_format_2_file_migrates_its_parts_and_its_best_with_the_monitor():
+    state = checkpoint.load(V2 / "mid-epoch.pt")
+    assert state.format == FORMAT == 3
+    assert (state.progress.epoch, state.progress.step_in_epoch, state.progress.consumed) == (
+        1,
+        1,
+        8,
+    )
+    assert "best_top1" not in state.progress  # the best is a part of its own now
+    assert state.monitor == "macro_f1" and state.best_score == pytest.approx(2 / 9)
+    assert state.ema is not None and state.ema["n_averaged"] > 0
+    assert len(state.parts["rng"]) == 2 and state.parts["end"]["schedule"]["epochs"] == 2
+    assert state.score is None  # saved mid-epoch, after no evaluation
+    again = Checkpoint.from_dict(state.to_dict())  # format 3 reads back as itself
+    assert again.parts.keys() == state.parts.keys() and again.best_score == state.best_score
+
+
+def test_a_format_2_sharded_checkpoint_consolidates():
+    whole = checkpoint.load(V2 / "fsdp")
+    assert whole.sharded and whole.progress.epoch == 1 and whole.monitor == "top1"
+    assert set(whole.model) == set(checkpoint.load(V2 / "mid-epoch.pt").model)
+
+
+def _resume_v2(tmp_path, capsys, *extra):
+    make_image_folder(tmp_path / "data", classes=3, per_class=10, size=(20, 16))
+    shutil.copy(V2 / "mid-epoch.pt", tmp_path / "old.pt")
+    args = ["train", "--data", "data", "--model", "timm/test_efficientnet", "--image-size"]
+    args += ["16", "--epochs", "2", "--batch-size", "4", "--cache", "off", "--workers", "0"]
+    args += ["--ema-decay", "0.9", "--resume", "old.pt", *extra]
+    assert main(args) == 0
+    return capsys.readouterr().out
+
+
+def test_a_run_resumes_from_a_format_2_checkpoint_keeping_its_best(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    out = _resume_v2(tmp_path, capsys, "--monitor", "macro_f1", "--name", "again")
+    assert "resumed from old.pt at epoch 2, step 2" in out  # 8 images of 2 x 4 a step
+    resumed = checkpoint.load(tmp_path / "runs/again/checkpoints/last.pt")
     assert resumed.format == FORMAT and resumed.progress.epoch == 2
+    assert resumed.monitor == "macro_f1" and resumed.best_score >= 2 / 9 - 1e-9
+    assert "set aside" not in out
+
+
+def test_a_resume_under_another_monitor_says_what_it_does_with_the_old_best(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    out = _resume_v2(tmp_path, capsys, "--monitor", "loss", "--name", "other")
+    assert "the checkpoint's best was by macro_f1 (0.2222): set aside" in out
+    best = checkpoint.load(tmp_path / "runs/other/checkpoints/best.pt")
+    assert best.monitor == "loss" and best.best_score == pytest.approx(best.score)

@@ -52,7 +52,7 @@ def test_a_smoke_run_stops_at_max_steps_and_monitors_what_it_is_told(image_folde
         )
     )  # fmt: skip
     state = checkpoint.load(tmp_path / "runs" / "smoke" / "checkpoints" / "last.pt")
-    assert state.progress.global_step == 3 and summary["epochs"] == 1
+    assert state.progress["global_step"] == 3 and summary["epochs"] == 1
     rows = [
         json.loads(r)
         for r in (tmp_path / "runs" / "smoke" / "metrics.jsonl").read_text().splitlines()
@@ -60,7 +60,7 @@ def test_a_smoke_run_stops_at_max_steps_and_monitors_what_it_is_told(image_folde
     assert rows[-1]["val_count"] == 4  # one batch of 4, not the 9 validation images
     assert rows[-1]["val_macro_f1"] is not None and rows[-1]["val_balanced_acc"] is not None
     best = checkpoint.load(tmp_path / "runs" / "smoke" / "checkpoints" / "best.pt")
-    assert best.progress.best_top1 == pytest.approx(rows[-1]["val_macro_f1"])
+    assert best.best_score == pytest.approx(rows[-1]["val_macro_f1"]) and best.monitor == "macro_f1"
 
 
 def test_a_run_stopped_at_max_steps_resumes_the_rest_of_its_epoch(image_folder, tmp_path):
@@ -89,3 +89,17 @@ def test_a_vits_embeddings_and_class_token_join_the_norms_without_decay():
         model, optim_state.grouping(cfg, model))}  # fmt: skip
     assert "class_token" in groups["norm"] and "encoder.pos_embedding" in groups["norm"]
     assert "conv_proj.weight" in groups["decay"]
+
+
+def test_monitor_loss_writes_best_at_the_first_evaluation_whatever_the_loss(image_folder, tmp_path):
+    """The best starts below every score: under --monitor loss the score is minus the
+    loss, far below 0 at the start, and best.pt is still written by the first epoch."""
+    common = dict(
+        data=str(image_folder), image_size=16, batch_size=4, workers=0, epochs=1,
+        output_dir=str(tmp_path / "runs"), name="loss", val_fraction=0.25, monitor="loss",
+        lr=5.0,
+    )  # fmt: skip
+    train(TrainConfig(**common))  # a rate that large leaves the loss far above 1
+    rows = [json.loads(r) for r in (tmp_path / "runs/loss/metrics.jsonl").read_text().splitlines()]
+    best = checkpoint.load(tmp_path / "runs" / "loss" / "checkpoints" / "best.pt")
+    assert rows[-1]["val_loss"] > 1 and best.best_score == pytest.approx(-rows[-1]["val_loss"])

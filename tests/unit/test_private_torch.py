@@ -79,10 +79,10 @@ def test_storage_order_sgd_steps_as_sgd_when_the_private_pieces_change(monkeypat
 
 
 def test_the_checkpoint_index_types_are_where_the_safe_reader_allows_them():
-    """engine/checkpointing/sharded._IndexUnpickler reads DCP's .metadata allowing only these types by
+    """parallel/sharded._IndexUnpickler reads DCP's .metadata allowing only these types by
     their module and name; a type torch moves or renames would make every sharded
     checkpoint unreadable."""
-    from paratrain.engine.checkpointing.sharded import _INDEX_TYPES
+    from paratrain.parallel.sharded import _INDEX_TYPES
 
     for module, name in sorted(_INDEX_TYPES):
         found = getattr(importlib.import_module(module), name, None)

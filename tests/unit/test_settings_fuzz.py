@@ -22,8 +22,8 @@ from imagefolders import make_image_folder
 from paratrain.cli import COMMANDS, main
 from paratrain.config import TrainConfig, settings
 from paratrain.config.schema import Setting
-from paratrain.engine.checkpointing.checkpoint import save_atomic
 from paratrain.models.registry import create_model
+from paratrain.parallel.checkpoint_io import save_atomic
 
 JUNK = [
     "",

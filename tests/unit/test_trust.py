@@ -35,6 +35,7 @@ from paratrain.engine.run.step import Stepper
 from paratrain.engine.trainer import train_step
 from paratrain.errors import UserError
 from paratrain.models.registry import create_model, freeze_backbone
+from paratrain.parallel import checkpoint_io
 from paratrain.parallel.parts import ModelParts
 from paratrain.report.loggers import Loggers
 
@@ -140,7 +141,7 @@ def test_resume_with_other_rates_and_more_epochs_says_what_changed(trained, caps
     assert "peak lr 0.0025 -> 0.02" in out  # --lr-base 0.16 x batch 4 / 256, then --lr
     state = checkpoint.load(root / "runs/more/checkpoints/last.pt")
     assert state.optimizer["param_groups"][0]["weight_decay"] == 0.01
-    assert state.progress.epoch == 2
+    assert state.progress["epoch"] == 2
 
 
 def test_a_run_that_exists_is_not_overwritten(trained):
@@ -160,7 +161,7 @@ def test_a_run_directory_resumes_from_its_last_checkpoint(trained):
     assert f"resume: {last} at epoch 2" in out
     code, _, err = _run(argv)
     assert code == 0, err
-    assert checkpoint.load(root / "runs/from-dir/checkpoints/last.pt").progress.epoch == 2
+    assert checkpoint.load(root / "runs/from-dir/checkpoints/last.pt").progress["epoch"] == 2
     summary = json.loads((root / "runs/from-dir/summary.json").read_text())
     assert summary["epochs"] == 2  # the epoch reached, though this folder trained one
     code, _, err = _run(["eval", "--checkpoint", str(run_dir), "--data", str(data)])
@@ -227,7 +228,7 @@ def test_resuming_mid_epoch_with_another_batch_neither_skips_nor_repeats(tmp_pat
     monkeypatch.delenv("PARATRAIN_INJECT")
     seen.clear()
     state = checkpoint.load(tmp_path / "runs/m/checkpoints/last.pt")
-    assert (state.progress.consumed, state.progress.step_in_epoch) == (8, 2)
+    assert (state.progress["consumed"], state.progress["step_in_epoch"]) == (8, 2)
     for key, value in (("seed", 7), ("ra_reps", 2)):  # they make the epoch's order
         with pytest.raises(UserError, match="the checkpoint's epoch is part done under --"):
             train(TrainConfig(**{**common, key: value, "resume": "auto"}))
@@ -287,7 +288,7 @@ def test_eval_runs_on_this_machines_device_not_the_training_runs(trained, tmp_pa
     state = checkpoint.load(last)
     state.config = {**state.config, "device": "cuda", "backend": "nccl"}
     moved = tmp_path / "from-a-gpu.pt"
-    checkpoint.save_atomic(state.to_dict(), moved)
+    checkpoint_io.save_atomic(state.to_dict(), moved)
     code, out, err = _run(["eval", "--checkpoint", str(moved), "--data", str(data), "--json"])
     assert code == 0, err
     code, _, err = _run(["eval", "--checkpoint", str(moved), "--device", "cpu", "--json"])
@@ -380,20 +381,20 @@ def test_resuming_a_finished_run_trains_nothing_and_rewrites_nothing(trained):
     assert code == 0, err
     assert "1 of 1 epoch(s) already trained, nothing left to train" in out + err
     assert {name: (run_dir / name).read_bytes() for name in before} == before
-    assert checkpoint.load(last).progress.epoch == 1
+    assert checkpoint.load(last).progress["epoch"] == 1
 
 
 def test_a_checkpoint_that_cannot_be_written_is_one_line_and_keeps_the_old_one(tmp_path):
     import resource
 
     target = tmp_path / "last.pt"
-    checkpoint.save_atomic({"model": {"w": torch.zeros(4)}}, target)
+    checkpoint_io.save_atomic({"model": {"w": torch.zeros(4)}}, target)
     before = target.read_bytes()
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))  # files of 1 MiB at most
     try:
         with pytest.raises(UserError) as raised:
-            checkpoint.save_atomic({"model": {"w": torch.zeros(1 << 20)}}, target)  # 4 MiB
+            checkpoint_io.save_atomic({"model": {"w": torch.zeros(1 << 20)}}, target)  # 4 MiB
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert str(raised.value) == (

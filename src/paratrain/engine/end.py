@@ -31,6 +31,24 @@ class End:
     freeze_epochs: int = 0
     told_frozen: bool = False  # said that the budget's plan ends before --freeze-epochs
 
+    def state_dict(self) -> dict[str, Any]:
+        """The schedule as planned (for a reader: the rate is derived, not saved) and
+        the budget's part, where there is one."""
+        return {
+            "schedule": dataclasses.asdict(self.schedule),
+            "budget": self.budget.state_dict() if self.budget is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """The budget's part; the schedule is this run's (made from its settings)."""
+        if state and self.budget is not None:
+            self.budget.load_state_dict(state.get("budget"))
+
+    def budget_spent(self, seconds: float) -> None:
+        """A resumed run's budget counts what its earlier runs spent."""
+        if self.budget is not None:
+            self.budget.spent_before = seconds
+
     @property
     def epochs(self) -> float:
         return self.schedule.epochs

@@ -14,7 +14,13 @@ from paratrain.data.folder import DataSplit
 from paratrain.data.loaders import Loaders, keep_sides, make_loaders, prepare_data, read_split
 from paratrain.distributed import comm
 from paratrain.distributed.runtime import Runtime, seed_everything
-from paratrain.engine.checkpointing.checkpoint import Checkpointer, resume
+from paratrain.engine.checkpointing.checkpoint import (
+    Checkpointer,
+    Resumed,
+    Stateful,
+    resume,
+    samples_per_step,
+)
 from paratrain.engine.checkpointing.run_dir import resolve_run
 from paratrain.engine.end import End
 from paratrain.engine.prerun.budget import Budget, choose_recipe, concrete, recipe_words
@@ -23,15 +29,15 @@ from paratrain.engine.prerun.preflight import check_model_input
 from paratrain.engine.run import precision as precision_module
 from paratrain.engine.run.control import StepControl
 from paratrain.engine.run.preempt import PreemptionGuard
-from paratrain.engine.run.recipe import Recipe, build_optimizer, build_recipe
+from paratrain.engine.run.recipe import Recipe, build_optimizer, build_recipe, continue_with
 from paratrain.engine.run.schedule import Schedule, build_schedule
-from paratrain.engine.run.state import Progress
+from paratrain.engine.run.state import Best, Progress, RngStates
 from paratrain.engine.run.step import Stepper
 from paratrain.errors import AgreedUserError, UserError
 from paratrain.log import get_logger
 from paratrain.parallel.parallelize import build_parts
 from paratrain.parallel.parts import ModelParts
-from paratrain.report.loggers import Loggers
+from paratrain.report.loggers import Loggers, TrackerIds
 from paratrain.report.metrics import MetricsWriter
 from paratrain.report.run_files import announce, write_run_files
 
@@ -82,20 +88,20 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
     recipe = build_recipe(cfg, parts, len(split.classes), precision_module.build(cfg, runtime))
     recipe.precision.prepare(parts)  # after the EMA copy: it averages the model as built
     seed_everything(cfg.seed + 1000 * runtime.rank)  # model randomness (dropout) differs per rank
-    progress = Progress()
-    if resume_from is not None:  # the same checkpoint and settings on every rank: told once
-        progress = _agreed(
-            resume, resume_from, cfg, runtime, parts, optimizer, recipe, split.classes
-        )
-    progress.totals = progress.totals.to(parts.output_device)  # summed where computed
     loaders = make_loaders(
         cfg, split, runtime, cache, parts.replica, parts.replicas, parts.fixed_batch
     )
-    end = _end(cfg, parts, loaders, progress)
-    saver = Checkpointer(
-        cfg, run_dir, runtime, parts, optimizer, lambda: end.schedule, split.classes, recipe
-    )
-    saver.spent_before = progress.seconds
+    progress, best, ids = Progress(), Best(cfg.monitor), TrackerIds(run_dir, runtime.is_main)
+    end = _end(cfg, parts, loaders)
+    # the checkpoint's parts, each saving and loading itself; the RNG states last
+    states: dict[str, Stateful] = {"progress": progress, "best": best, "recipe": recipe, "end": end,
+              "loggers": ids, "rng": RngStates(runtime.rank)}  # fmt: skip
+    if resume_from is not None:  # the same checkpoint and settings on every rank: told once
+        resumed = _agreed(resume, resume_from, cfg, parts, optimizer, states, split.classes)
+        _continue(resumed, resume_from, cfg, runtime, parts, optimizer, progress)
+        end.budget_spent(progress.seconds)
+    progress.totals = progress.totals.to(parts.output_device)  # summed where computed
+    saver = Checkpointer(cfg, run_dir, runtime, parts, optimizer, states, best, split.classes)
     guard = PreemptionGuard(cfg.preempt_grace)
     sync_free = _sync_free(cfg, runtime, optimizer, recipe)
     control = StepControl(cfg, runtime, saver.save, guard, sync_free=sync_free)
@@ -106,7 +112,7 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
         _announce(cfg, runtime, split, loaders, recipe, run_dir, resume_from)
     tracked = cfg.loggers if runtime.is_main else ()  # rank 0 alone reports
     loggers = Loggers(run_dir, tracked, cfg.to_dict(), runtime.world_size, cfg.tracker_timeout,
-                      cfg.on_tracker_error)  # fmt: skip
+                      cfg.on_tracker_error, ids)  # fmt: skip
     stepper = Stepper(parts, optimizer, recipe, control)
     return Run(cfg, runtime, split, run_dir, parts, optimizer, recipe, loaders, progress, end,
                saver, control, metrics, loggers, stepper)  # fmt: skip
@@ -121,13 +127,33 @@ def _agreed(check, *args):
         raise AgreedUserError(str(exc)) from None
 
 
-def _end(cfg: TrainConfig, parts: ModelParts, loaders: Loaders, progress: Progress) -> End:
+def _continue(
+    resumed: Resumed,
+    path: Path,
+    cfg: TrainConfig,
+    runtime: Runtime,
+    parts: ModelParts,
+    optimizer: torch.optim.Optimizer,
+    progress: Progress,
+) -> None:
+    """A resumed run goes on exactly: its epoch from the same sample under another global
+    batch, this run's momentum and decay; what changed is said."""
+    saved_step = samples_per_step(resumed.saved, resumed.replicas)
+    progress.continue_under(saved_step, samples_per_step(cfg, parts.replicas), runtime.is_main)
+    continue_with(resumed.saved, resumed.replicas, cfg, parts.replicas, optimizer)
+    step = f", step {progress.step_in_epoch}" if progress.step_in_epoch else ""
+    get_logger().info(f"resumed from {path} at epoch {progress.epoch + 1}{step}")
+    if resumed.changed:
+        get_logger().info("settings changed since the checkpoint: " + ", ".join(resumed.changed))
+
+
+def _end(cfg: TrainConfig, parts: ModelParts, loaders: Loaders) -> End:
     """The run's end: its schedule over this run's steps an epoch, --max-steps, and
-    --budget's plan, with what earlier runs of a resumed one spent."""
+    --budget's plan."""
     steps = -(-len(loaders.train) // cfg.grad_accum)
     budget = None
     if cfg.budget_seconds is not None:
-        budget = Budget(cfg.budget_seconds, progress.seconds, steps, len(loaders.val))
+        budget = Budget(cfg.budget_seconds, 0.0, steps, len(loaders.val))
     schedule = build_schedule(cfg, parts.replicas, steps)
     return End(schedule, cfg.max_steps or 0, budget, cfg.freeze_epochs or 0)
 

@@ -194,11 +194,9 @@ def record_epoch(
     }
     if averaged is not None:
         row.update(val_loss_ema=averaged.loss, val_top1_ema=averaged.top1)
-    score = result.score(run.cfg.monitor)  # what picks best.pt (--monitor)
-    progress.best_top1 = max(progress.best_top1, score)
     if not run.cut_short:  # else saved mid-epoch: a resumed run trains the rest of it
         progress.start_epoch(epoch + 1)
-    run.saver.save(progress, val_top1=score)
+    run.saver.save(progress, score=result.score(run.cfg.monitor))  # --monitor picks best.pt
     if run.runtime.is_main:
         run.metrics.write(row)
         plot_curves(run.metrics.read(), run.run_dir / "curves.png")

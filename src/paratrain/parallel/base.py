@@ -113,7 +113,6 @@ class Strategy:
     spreads: ClassVar[str] = "spreads the model across processes"  # why min_world
     fewer_hint: ClassVar[str] = ""  # the way to run it below min_world, for the refusal
     min_devices: ClassVar[int] = 1  # the devices its layout needs (plan: 2 to partition)
-    sharded_checkpoint: ClassVar[bool] = False  # each rank writes its shards (DCP)
     speed_order: ClassVar[int] = 100  # --strategy auto takes the lowest that fits
     takes: ClassVar[frozenset[str]] = frozenset(FEATURES)
     torch_apis: ClassVar[tuple[str, ...]] = ()  # newer torch it calls (torch_api.FEATURES)

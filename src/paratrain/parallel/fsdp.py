@@ -13,7 +13,7 @@ the device (``to_empty``) and take rank 0's values by broadcast, so no process e
 holds the whole model on the device. Under bf16 the blocks' parameters are gathered and
 computed in bf16, their gradients reduced in fp32 (``MixedPrecisionPolicy``); BatchNorm
 layers stay fp32 (their running statistics are fp32, and the CPU kernel takes no mixed
-pair). Checkpoints are each rank's shards (engine/checkpointing/sharded.py, torch.distributed.checkpoint).
+pair). Checkpoints are each rank's shards (parallel/sharded.py, torch.distributed.checkpoint).
 """
 
 from __future__ import annotations
@@ -181,7 +181,6 @@ class FSDP(Strategy):
     # its checkpoint is read resharded by any strategy: ddp trains on in one process
     fewer_hint = "in one process use --strategy ddp"
     min_devices = 2
-    sharded_checkpoint = True
     speed_order = 1
     takes = frozenset({"sync_bn"})
     torch_apis = ("DTensor", "fully_shard", "init_device_mesh")

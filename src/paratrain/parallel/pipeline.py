@@ -213,7 +213,6 @@ class Pipeline(Strategy):
     min_world = 2
     spreads = "runs its stages in processes of their own"
     min_devices = 2
-    sharded_checkpoint = True
     speed_order = 2
     takes = frozenset()
     torch_apis = ("pipeline schedules",)

@@ -33,6 +33,22 @@ IDS = "trackers.json"
 DOWN = "PARATRAIN_TRACKERS_DOWN"
 
 
+class TrackerIds:
+    """The ids of the tracked runs (MLflow's, W&B's), so that a resumed run logs on to
+    the same ones: kept in the run folder (``trackers.json``) and in the checkpoint."""
+
+    def __init__(self, run_dir: Path, read: bool = True):
+        self.ids: dict[str, str] = _read_ids(run_dir) if read else {}
+
+    def state_dict(self) -> dict[str, str]:
+        return dict(self.ids)
+
+    def load_state_dict(self, state: dict[str, str] | None) -> None:
+        """The checkpoint's ids, where the run folder's file does not have them."""
+        for name, value in (state or {}).items():
+            self.ids.setdefault(name, value)
+
+
 class Loggers:
     """The trackers asked for, on rank 0 (none elsewhere): one call reaches each."""
 
@@ -44,12 +60,14 @@ class Loggers:
         world_size: int,
         timeout: float = 5.0,
         on_error: str = "fail",
+        tracker_ids: TrackerIds | None = None,
     ):
         self.world_size = world_size
         self.last = time.perf_counter()
         self.pending: torch.Tensor | None = None  # (loss x n, correct, n) not yet written
         self.trackers: list[Tracker] = []
-        ids = _read_ids(run_dir) if names else {}  # ranks without trackers read nothing
+        # ranks without trackers read nothing
+        ids = (tracker_ids or TrackerIds(run_dir, read=bool(names))).ids if names else {}
         down = set(os.environ.get(DOWN, "").split(","))  # told before the launch
         if names:
             bound_requests(timeout)

@@ -1,28 +1,27 @@
-"""Checkpoints: typed and versioned, whole and atomic on disk, written by the
-Checkpointer, read back by resume().
+"""Checkpoints: typed and versioned, made of parts that save and load themselves, written
+by the Checkpointer through the strategy's own I/O, read back by resume().
 
-A checkpoint (:class:`Checkpoint`) is made of parts, each with its own state dict
-(torch.distributed.checkpoint's ``Stateful`` shape, torchtitan's CheckpointManager): the
-unwrapped model, the optimizer (in the single-device layout every strategy shares), the
-EMA weights, the grad scaler, where training stands (:class:`Progress`), every rank's RNG
-states, the classes and the resolved config, with a format number. On disk it is a plain
-dict of tensors and plain values, loaded with ``weights_only``; an older format is
-migrated when read (:func:`migrate`), so a renamed setting never breaks an older file.
-Written to a temporary file, flushed, fsynced and renamed, so a reader sees the old
-file or the new one. Sharded strategies write each rank's shards through
-torch.distributed.checkpoint instead (engine/checkpointing/sharded.py), with the rest in ``state.pt``.
+A checkpoint (:class:`Checkpoint`) holds the unwrapped model and the optimizer (in the
+single-device layout every strategy shares), written and read by the model's
+``checkpoint_io`` (parallel/checkpoint_io.py: one whole file, or each rank's shards),
+and the run's other parts, each a ``Stateful`` (torch.distributed.checkpoint's shape,
+as torchtitan's CheckpointManager keeps them): where training stands, the best score and
+its monitor, the recipe's EMA weights and grad scaler, the schedule and the budget,
+the trackers' run ids, every rank's RNG states. This module imports none of them: the
+run hands it a dict of parts by name, and a new part is one more entry there. On disk a
+checkpoint is a plain dict of tensors and plain values, loaded with ``weights_only``; an
+older format is migrated when read (:func:`migrate`), so a renamed setting never breaks
+an older file.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import pickle
 import shutil
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -32,60 +31,99 @@ from paratrain.config.schema import settings
 from paratrain.config.train import migrate_settings
 from paratrain.distributed import comm
 from paratrain.distributed.runtime import Runtime
-from paratrain.engine.checkpointing import sharded
-from paratrain.engine.checkpointing.run_dir import LAST, run_dir_of
+from paratrain.engine.checkpointing.run_dir import run_dir_of
 from paratrain.engine.run import faults
 from paratrain.engine.run.preempt import interrupts_deferred
-from paratrain.engine.run.recipe import Recipe
-from paratrain.engine.run.schedule import Schedule, base_lr, peak_lr
-from paratrain.engine.run.state import Progress, gathered_rng_states, restore_rng
 from paratrain.errors import AgreedUserError, UserError
-from paratrain.files import fsync, replaced
-from paratrain.log import get_logger, since_start
+from paratrain.parallel import sharded
 from paratrain.parallel.parts import ModelParts
 
-FORMAT = 2  # 1: paratrain 0.1's flat dict (no "format" key); 2: typed parts
+# 1: paratrain 0.1's flat dict (no "format" key); 2: typed parts; 3: the run's parts by
+# name under "parts", the best score with its monitor's name, the epoch's "score"
+FORMAT = 3
+
+
+class Stateful(Protocol):
+    """A part of the checkpoint: it saves and loads itself (``None``: the checkpoint
+    has no such part; the part keeps what it has)."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+class Ranked(Protocol):
+    """What picks best.pt: ``offer(score)`` is whether it is the best so far."""
+
+    def offer(self, score: float) -> bool: ...
+
+
+class Fields(dict):
+    """A part's state, read by key or by attribute."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
 
 
 @dataclass
 class Checkpoint:
     """Everything a checkpoint holds. ``model`` is empty and ``optimizer`` None in a
     sharded checkpoint's ``state.pt`` (they are in the shards), and ``optimizer`` None
-    in a file of weights only."""
+    in a file of weights only; ``parts``: each run part's state by name."""
 
     model: dict[str, torch.Tensor]
     config: dict[str, Any]
     classes: list[str]
-    progress: Progress = field(default_factory=Progress)
     optimizer: dict[str, Any] | None = None
-    ema: dict[str, Any] | None = None
-    scaler: dict[str, Any] | None = None
-    rng: list[dict[str, Any]] = field(default_factory=list)
+    parts: dict[str, Any] = field(default_factory=dict)
     replicas: int = 1  # data-parallel ranks: what the global batch was a multiple of
     processes: int = 1
     strategy: str = "ddp"
     layout: dict[str, int] = field(default_factory=dict)  # parallel/base.Layout, as run
     lr: float | None = None
-    val_top1: float | None = None
-    schedule: dict[str, Any] | None = None  # for a reader: the rate is derived, not saved
+    score: float | None = None  # the --monitor score of the evaluation it follows
     sharded: bool = False
     optimizer_groups: list[dict[str, Any]] | None = None  # sharded: groups by name
     format: int = FORMAT
 
     def to_dict(self) -> dict[str, Any]:
         """The checkpoint as saved: tensors and plain values only."""
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        values["progress"] = self.progress.state_dict()
-        return values
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "checkpoint") -> Checkpoint:
         """A checkpoint of any format, migrated to this one."""
         values = migrate(raw, source)
         known = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in values.items() if k in known}
-        values["progress"] = Progress.of(values.get("progress") or {})
-        return cls(**values)
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+    def part(self, name: str) -> dict[str, Any]:
+        """A part's state (empty where the checkpoint has none)."""
+        found = self.parts.get(name)
+        return found if isinstance(found, dict) else {}
+
+    @property
+    def progress(self) -> Fields:
+        """Where training stood (engine/run/state.Progress's state), read by key or by
+        attribute (``.epoch``)."""
+        return Fields(self.part("progress"))
+
+    @property
+    def best_score(self) -> float | None:
+        return self.part("best").get("score")
+
+    @property
+    def monitor(self) -> str:
+        """The --monitor the best score is by."""
+        return str(self.part("best").get("monitor", self.config.get("monitor") or "top1"))
+
+    @property
+    def ema(self) -> dict[str, Any] | None:
+        """The EMA weights' state, where the run kept them."""
+        return self.part("recipe").get("ema")
 
     def train_config(self, source: str = "checkpoint") -> TrainConfig:
         """The run's settings as this paratrain reads them."""
@@ -121,41 +159,22 @@ def migrate(raw: dict[str, Any], source: str = "checkpoint") -> dict[str, Any]:
         progress["totals"] = values.pop("partial_totals", None)
         values["progress"] = progress
         values["replicas"] = values.pop("world_size", 1)
-        values["format"] = 2
+        version = 2
+    if version == 2:  # the run's parts were fields; the best was top-1's (or --monitor's)
+        progress = dict(values.pop("progress", None) or {})
+        best = progress.pop("best_top1", None)
+        monitor = (values.get("config") or {}).get("monitor") or "top1"
+        values["parts"] = {
+            "progress": progress,
+            "best": {"score": best, "monitor": monitor} if best is not None else None,
+            "recipe": {"ema": values.pop("ema", None), "scaler": values.pop("scaler", None)},
+            "end": {"schedule": values.pop("schedule", None), "budget": None},
+            "rng": values.pop("rng", None),
+        }
+        values["score"] = values.pop("val_top1", None)
+    values["format"] = FORMAT
     values["config"] = migrate_settings(values.get("config") or {}, source, saved=True)
     return values
-
-
-def save_atomic(state: dict[str, Any], path: Path) -> None:
-    """A reader sees the old file or the new one, never a torn one. A write that fails
-    (a full disk, a file size limit) is one line; the old file stays as it was."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with replaced(path) as handle:
-            torch.save(state, handle)
-    except (OSError, RuntimeError) as exc:  # torch's zip writer reports write errors so
-        cause = exc.__context__ if isinstance(exc.__context__, OSError) else exc
-        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause)
-        kept = "the previous one is unchanged" if path.exists() else "none was saved before"
-        raise UserError(
-            f"cannot write checkpoint {path}: {reason.strip().splitlines()[0][:200]} ({kept})"
-        ) from None
-
-
-def copy_atomic(state: dict[str, Any], written: Path, path: Path) -> None:
-    """``path`` gets the checkpoint just written to ``written`` (the same ``state``): a hard
-    link, renamed into place, instead of a second 90 MB write; a write where the file
-    system has no hard links. A later replacement of ``written`` leaves ``path`` alone."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.link")
-    try:
-        tmp.unlink(missing_ok=True)
-        os.link(written, tmp)  # the same inode: its bytes were fsynced when written
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        save_atomic(state, path)
-        return
-    fsync(path.parent)
 
 
 def _read_file(path: Path) -> dict[str, Any]:
@@ -216,36 +235,38 @@ def samples_per_step(cfg: TrainConfig, replicas: int) -> int:
     return cfg.batch * replicas * cfg.grad_accum
 
 
+LATEST, BEST = "last", "best"
+
+
 class Checkpointer:
-    """Whole-state checkpoints: last.pt (every save), best.pt, the newest --keep epochs."""
+    """Checkpoints of a run: last (every save), best (by the --monitor score), the newest
+    --keep epochs; written by the model's own I/O (whole, or each rank's shards)."""
 
     def __init__(
         self,
         cfg: TrainConfig,
         run_dir: Path,
         runtime: Runtime,
-        parts: ModelParts,
+        model: ModelParts,
         optimizer: torch.optim.Optimizer,
-        schedule: Callable[[], Schedule],
+        states: dict[str, Stateful],
+        best: Ranked,
         classes: list[str],
-        recipe: Recipe,
     ):
         self.cfg, self.dir, self.runtime = cfg, run_dir / "checkpoints", runtime
-        self.parts, self.optimizer, self.schedule = parts, optimizer, schedule
-        self.classes, self.recipe = classes, recipe
-        self.spent_before = 0.0  # the wall-clock earlier runs of a resumed one spent
+        self.model, self.optimizer, self.io = model, optimizer, model.checkpoint_io
+        self.states, self.best, self.classes = states, best, classes
         self.fault = faults.planned(runtime.rank)  # tests: a full disk at a chosen save
 
-    def save(self, progress: Progress, val_top1: float | None = None) -> None:
-        """A collective: every rank calls it. Sharded strategies write their shards each
-        (folders last/, best/, epoch-NNNN/); the others hand rank 0 the whole state,
-        which it writes as one file (last.pt, best.pt, epoch-NNNN.pt). Ctrl-C meanwhile
-        takes effect once the checkpoint is written."""
-        progress.seconds = self.spent_before + since_start()  # rank 0's is kept
+    def save(self, progress: Any, score: float | None = None) -> None:
+        """A collective: every rank calls it (``progress``: where training stands, its
+        epoch and step; ``score``: the epoch's --monitor score, after an evaluation).
+        Ctrl-C meanwhile takes effect once the checkpoint is written; a write that
+        fails stops every rank alike, told once."""
         with interrupts_deferred():
             problem = None
             try:
-                self._save(progress, val_top1)
+                self._save(progress, score)
             except (OSError, CheckpointException) as exc:  # a full disk, a quota, read-only
                 reason = getattr(exc, "strerror", None) or str(exc).splitlines()[0][:160]
                 problem = (
@@ -256,60 +277,38 @@ class Checkpointer:
             if told:  # every rank stops alike, and the reason is told once
                 raise AgreedUserError(told[0])
 
-    def _save(self, progress: Progress, val_top1: float | None) -> None:
-        rng = gathered_rng_states()
-        if self.parts.collective_state:
-            rest = self._checkpoint(progress, val_top1, rng, {})
-            sharded.save(self.dir / "last", self.parts, self.optimizer, rest.to_dict())
-            if self.runtime.is_main and val_top1 is not None:
-                self._keep_copies(self.dir / "last", "", progress, val_top1, sharded.link_copy)
-            return
-        model = self.parts.state_dict() if self.runtime.is_main else {}
-        optimizer = self.parts.optimizer_state_dict(self.optimizer) if self.runtime.is_main else {}
-        if not self.runtime.is_main:
-            return
-        state = self._checkpoint(progress, val_top1, rng, model)
-        state.optimizer = optimizer
-        whole = state.to_dict()
-        last = self.dir / LAST
-        faults.disk_full(self.fault, progress.global_step, last)
-        save_atomic(whole, last)
-        if val_top1 is not None:
-            self._keep_copies(
-                last, ".pt", progress, val_top1, lambda src, dst: copy_atomic(whole, src, dst)
-            )
-
-    def _keep_copies(
-        self, last: Path, suffix: str, progress: Progress, val_top1: float, copy
-    ) -> None:
-        """best (by validation top-1) and the newest --keep epochs, as copies of last."""
-        if val_top1 >= progress.best_top1:
-            copy(last, self.dir / f"best{suffix}")
-        if self.cfg.keep:
-            copy(last, self.dir / f"epoch-{progress.epoch:04d}{suffix}")
-            prune_epochs(self.dir, self.cfg.keep)
-
-    def _checkpoint(
-        self, progress: Progress, val_top1: float | None, rng: list, model: dict
-    ) -> Checkpoint:
-        """Every part of the checkpoint but the optimizer's (whole) state."""
-        ema, scaler = self.recipe.ema, self.recipe.precision.scaler
-        return Checkpoint(
-            model=model,
+    def _save(self, progress: Any, score: float | None) -> None:
+        best = score is not None and self.best.offer(score)  # every rank: the same score
+        parts = {name: part.state_dict() for name, part in self.states.items()}  # collectives
+        rest = Checkpoint(
+            model={},
             config=self.cfg.to_dict(),
             classes=self.classes,
-            progress=progress,
-            ema=ema.state_dict() if ema is not None else None,
-            scaler=scaler.state_dict() if scaler is not None else None,
-            rng=rng,
-            replicas=self.parts.replicas,
+            parts=parts,
+            replicas=self.model.replicas,
             processes=self.runtime.world_size,
             strategy=self.cfg.strategy,
-            layout=dataclasses.asdict(self.parts.layout),
-            lr=base_lr(self.optimizer),
-            val_top1=val_top1,
-            schedule=dataclasses.asdict(self.schedule()),
-        )
+            layout=dataclasses.asdict(self.model.layout),
+            lr=_base_lr(self.optimizer),
+            score=score,
+        ).to_dict()
+        del rest["model"], rest["optimizer"]
+        last = self.io.path(self.dir, LATEST)
+        fault = self.fault
+        self.io.save(last, self.model, self.optimizer, rest,
+                     lambda path: faults.disk_full(fault, progress.global_step, path))  # fmt: skip
+        if self.runtime.is_main and score is not None:
+            if best:
+                self.io.copy(last, self.io.path(self.dir, BEST))
+            if self.cfg.keep:
+                self.io.copy(last, self.io.path(self.dir, f"epoch-{progress.epoch:04d}"))
+                prune_epochs(self.dir, self.cfg.keep)
+
+
+def _base_lr(optimizer: torch.optim.Optimizer) -> float:
+    """The schedule's rate when saved (a group's rate over its ``lr_scale``): for a reader."""
+    group = optimizer.param_groups[0]
+    return float(group["lr"]) / group.get("lr_scale", 1.0)
 
 
 def prune_epochs(directory: Path, keep: int) -> None:
@@ -336,7 +335,7 @@ def check_resumable(
             f"its weights (--weights {path})"
         )
     saved = state.train_config(str(path))
-    mid_epoch = state.progress.step_in_epoch > 0
+    mid_epoch = int(state.progress.get("step_in_epoch", 0)) > 0
     fixed, order, changed = [], [], []
     for s in settings(TrainConfig):
         old, new = getattr(saved, s.name), getattr(cfg, s.name)
@@ -369,102 +368,49 @@ def check_resumable(
     return saved, changed
 
 
+@dataclass(frozen=True)
+class Resumed:
+    """What a resumed run continues from: the checkpoint's settings and replica count,
+    and the settings that changed since and take effect."""
+
+    saved: TrainConfig
+    replicas: int
+    changed: list[str]
+
+
 def resume(
     path: Path,
     cfg: TrainConfig,
-    runtime: Runtime,
-    parts: ModelParts,
+    model: ModelParts,
     optimizer: torch.optim.Optimizer,
-    recipe: Recipe,
+    states: dict[str, Stateful],
     classes: list[str],
-) -> Progress:
-    """Put the run back where the checkpoint left it, under this run's settings where
-    they may differ (batch, accumulation, world size, rates, epochs: handled exactly;
-    the rest refused in check_resumable); returns where training stands."""
-    log = get_logger()
-    folder = sharded.find(path) if path.is_dir() else None
-    in_shards = folder is not None and parts.collective_state
-    state = read_for_resume(path) if in_shards else load(path)
+) -> Resumed:
+    """Put the model, the optimizer and every part back where the checkpoint left them,
+    under this run's settings where they may differ (batch, accumulation, world size,
+    rates, epochs: the caller continues exactly; the rest refused in check_resumable).
+    The strategy's I/O reads the model and optimizer (each rank its shards, resharded,
+    where both it and the checkpoint are sharded); each part loads its own state."""
+    io = model.checkpoint_io
+    state = read_for_resume(path) if io.reads_shards(path) else load(path)
     saved, changed = check_resumable(state, cfg, classes, path)
-    if in_shards:  # each rank reads its own shards, resharded: nothing whole anywhere
-        assert folder is not None and state.optimizer_groups is not None
-        sharded.load_into(folder, parts, optimizer, state.optimizer_groups)
-    else:
-        try:
-            parts.load_state_dict(state.model)
-        except RuntimeError as exc:
-            first = str(exc).strip().splitlines()[0]
-            raise UserError(f"{path}: its weights do not fit this model ({first[:160]})") from None
-        assert state.optimizer is not None
-        parts.load_optimizer_state_dict(optimizer, state.optimizer)
-    ema, scaler = recipe.ema, recipe.precision.scaler
-    if scaler is not None and state.scaler:
-        scaler.load_state_dict(state.scaler)
-    if ema is not None:
-        if state.ema:
-            ema.load_state_dict(state.ema)
-        else:
-            log.warning(f"{path} holds no EMA weights: the average starts from the resumed ones")
-    restore_rng(state.rng, runtime.rank)
-    progress = state.progress
-    same_steps = samples_per_step(saved, state.replicas) == samples_per_step(cfg, parts.replicas)
-    if not same_steps:
-        # the epoch goes on from the same sample of its order: nothing skipped or repeated
-        progress.step_in_epoch = progress.consumed // samples_per_step(cfg, parts.replicas)
-    if not (same_steps and runtime.is_main):  # rank 0 carries the epoch's sums so far
-        progress.totals = torch.zeros(3, dtype=torch.float64)
-    _continue_with(saved, state.replicas, cfg, parts.replicas, optimizer)
-    where = f"epoch {progress.epoch + 1}" + (
-        f", step {progress.step_in_epoch}" if progress.step_in_epoch else ""
-    )
-    log.info(f"resumed from {path} at {where}")
-    if changed:
-        log.info("settings changed since the checkpoint: " + ", ".join(changed))
-    return progress
+    io.load_into(path, model, optimizer, state)
+    for name, part in states.items():
+        part.load_state_dict(state.parts.get(name))
+    return Resumed(saved, state.replicas, changed)
 
 
 def _shown(value: Any) -> str:
     return "unset" if value is None else str(value)
 
 
-def _continue_with(
-    saved: TrainConfig, old_replicas: int, cfg: TrainConfig, replicas: int, optimizer
-) -> None:
-    """This run's momentum and weight decay in the loaded optimizer (the schedule's rate
-    is set every step from where training stands); say what the rates became."""
-    for group in optimizer.param_groups:
-        if "momentum" in group:
-            group["momentum"] = cfg.momentum
-    _set_weight_decay(optimizer, cfg)
-    new_lr, old_lr = peak_lr(cfg, replicas), peak_lr(saved, old_replicas)
-    if old_replicas != replicas:
-        get_logger().info(
-            f"world size {old_replicas} -> {replicas}: global batch "
-            f"{samples_per_step(saved, old_replicas)} -> {samples_per_step(cfg, replicas)}, "
-            f"lr {old_lr:g} -> {new_lr:g}"
-        )
-    elif old_lr != new_lr:
-        get_logger().info(f"peak lr {old_lr:g} -> {new_lr:g}")
-
-
-def _set_weight_decay(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> None:
-    """Each group's decay as this run's settings give it (groups are named by kind)."""
-    decay = {
-        "decay": cfg.weight_decay,
-        "norm": cfg.norm_weight_decay,
-        "bias": cfg.bias_weight_decay,
-    }
-    for group in optimizer.param_groups:
-        value = decay.get(group.get("kind", "decay"))
-        group["weight_decay"] = cfg.weight_decay if value is None else value
-
-
 __all__ = [
     "FORMAT",
     "Checkpoint",
     "Checkpointer",
+    "Resumed",
+    "Stateful",
     "check_resumable",
-    "copy_atomic",
     "load",
     "migrate",
     "prune_epochs",
@@ -472,5 +418,4 @@ __all__ = [
     "resume",
     "run_dir_of",
     "samples_per_step",
-    "save_atomic",
 ]

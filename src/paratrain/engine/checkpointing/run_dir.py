@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 
 from paratrain.config import TrainConfig
 from paratrain.config.run_dirs import already_holds_a_run, claim_checkpoints, claim_new_name
-from paratrain.engine.checkpointing import sharded
 from paratrain.errors import UserError
 from paratrain.files import try_lock
+from paratrain.parallel import sharded
 from paratrain.report.trackers import TRACKERS
 from paratrain.report.trackers.base import kind as tracker_kind
 

@@ -24,6 +24,7 @@ from paratrain.engine.inference.predict import (
     need_onnx,
 )
 from paratrain.errors import told_if_full
+from paratrain.files import write_atomic
 from paratrain.models.registry import check_weights_fit
 
 
@@ -85,6 +86,7 @@ def _save_checkpoint(checkpoint_path: str, target: str | Path) -> dict[str, str]
     """One checkpoint file with everything a checkpoint holds: a sharded checkpoint's
     shards consolidated (model whole, optimizer in the single-device layout)."""
     from paratrain.engine.checkpointing import checkpoint
+    from paratrain.parallel.checkpoint_io import save_atomic
 
     state = checkpoint.load(checkpoint_path)
     cfg = state.train_config(checkpoint_path)
@@ -92,9 +94,9 @@ def _save_checkpoint(checkpoint_path: str, target: str | Path) -> dict[str, str]
     check_weights_fit(cfg.model, len(classes), cfg.train_size, state.model, checkpoint_path)
     state.optimizer_groups, state.sharded = None, False
     target = Path(target)
-    checkpoint.save_atomic(state.to_dict(), target)
+    save_atomic(state.to_dict(), target)
     index = target.parent / "class_indices.json"
-    index.write_text(json.dumps({str(i): c for i, c in enumerate(classes)}, indent=2) + "\n")
+    write_atomic(index, json.dumps({str(i): c for i, c in enumerate(classes)}, indent=2) + "\n")
     return {"export": str(target), "class_indices": str(index)}
 
 

@@ -24,6 +24,7 @@ import statistics
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -70,6 +71,23 @@ class Budget:
     epoch_costs: list[float] = field(default_factory=list)  # train + eval + save, per epoch
     finished: bool = False  # the planned length reached
     largest: int = 0  # --progressive: the largest size trained at so far
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the budget: its length, the plan, the costs
+        measured, and --progressive's largest size (a resumed run never goes back down)."""
+        return {
+            "seconds": self.seconds,
+            "spent": self.elapsed(),
+            "planned": self.planned,
+            "epoch_costs": list(self.epoch_costs),
+            "largest": self.largest,
+        }
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """The largest size trained at; the plan is made again from this run's steps
+        (the machine, the world size and the budget may differ)."""
+        if state:
+            self.largest = max(self.largest, int(state.get("largest", 0)))
 
     def elapsed(self) -> float:
         """Seconds of the budget gone: earlier runs' plus this command's so far."""

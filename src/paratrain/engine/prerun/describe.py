@@ -175,12 +175,12 @@ def resumable(cfg: TrainConfig, classes: list[str]) -> str:
         found = run_dir.resume_target(cfg.resume)
     saved = checkpoint.read_for_resume(found)
     _, changed = checkpoint.check_resumable(saved, cfg, classes, found)
-    progress = saved.progress
-    step = f", step {progress.step_in_epoch}" if progress.step_in_epoch else ""
+    epoch, in_epoch = (int(saved.progress.get(k, 0)) for k in ("epoch", "step_in_epoch"))
+    step = f", step {in_epoch}" if in_epoch else ""
     also = f"; changed: {', '.join(changed)}" if changed else ""
-    if progress.epoch >= cfg.epochs:
+    if epoch >= cfg.epochs:
         also += f"; nothing left to train at --epochs {cfg.epochs}"
-    return f"{found} at epoch {progress.epoch + 1}{step}{also}"
+    return f"{found} at epoch {epoch + 1}{step}{also}"
 
 
 def embedded_data(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,6 +20,7 @@ from paratrain.config import TrainConfig
 from paratrain.engine.run.precision import Precision
 from paratrain.engine.run.schedule import peak_lr
 from paratrain.errors import AgreedUserError
+from paratrain.log import get_logger
 from paratrain.parallel import optim_state
 from paratrain.parallel.parts import ModelParts
 
@@ -34,6 +36,27 @@ class Recipe:
     grad_accum: int = 1
     clip_grad: float | None = None
     freezing: Freezing | None = None  # --freeze-epochs
+
+    def state_dict(self) -> dict[str, Any]:
+        """What of the recipe a checkpoint keeps: the EMA weights, the grad scaler."""
+        scaler = self.precision.scaler
+        return {
+            "ema": self.ema.state_dict() if self.ema is not None else None,
+            "scaler": scaler.state_dict() if scaler is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        state = state or {}
+        scaler = self.precision.scaler
+        if scaler is not None and state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])
+        if self.ema is not None:
+            if state.get("ema"):
+                self.ema.load_state_dict(state["ema"])
+            else:
+                get_logger().warning(
+                    "the checkpoint holds no EMA weights: the average starts from the resumed ones"
+                )
 
 
 class Freezing:
@@ -347,3 +370,39 @@ class EMA:
         """Resume the average where the checkpoint left it."""
         self.module.load_state_dict(state["model"])
         self.averaged.n_averaged.fill_(state["n_averaged"])
+
+
+def continue_with(
+    saved: TrainConfig, old_replicas: int, cfg: TrainConfig, replicas: int, optimizer
+) -> None:
+    """This run's momentum and weight decay in the loaded optimizer (the schedule's rate
+    is set every step from where training stands); say what the rates became."""
+    for group in optimizer.param_groups:
+        if "momentum" in group:
+            group["momentum"] = cfg.momentum
+    _set_weight_decay(optimizer, cfg)
+    new_lr, old_lr = peak_lr(cfg, replicas), peak_lr(saved, old_replicas)
+    if old_replicas != replicas:
+        get_logger().info(
+            f"world size {old_replicas} -> {replicas}: global batch "
+            f"{_global_batch(saved, old_replicas)} -> {_global_batch(cfg, replicas)}, "
+            f"lr {old_lr:g} -> {new_lr:g}"
+        )
+    elif old_lr != new_lr:
+        get_logger().info(f"peak lr {old_lr:g} -> {new_lr:g}")
+
+
+def _set_weight_decay(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> None:
+    """Each group's decay as this run's settings give it (groups are named by kind)."""
+    decay = {
+        "decay": cfg.weight_decay,
+        "norm": cfg.norm_weight_decay,
+        "bias": cfg.bias_weight_decay,
+    }
+    for group in optimizer.param_groups:
+        value = decay.get(group.get("kind", "decay"))
+        group["weight_decay"] = cfg.weight_decay if value is None else value
+
+
+def _global_batch(cfg: TrainConfig, replicas: int) -> int:
+    return cfg.batch * replicas * cfg.grad_accum

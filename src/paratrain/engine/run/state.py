@@ -1,4 +1,6 @@
-"""Where training stands (Progress) and the random-number states a checkpoint keeps.
+"""The checkpoint's parts that say where training stands: Progress, the best score so far
+(Best) and every rank's random-number states (RngStates); each saves and loads itself
+(torch.distributed.checkpoint's ``Stateful``: ``state_dict`` / ``load_state_dict``).
 
 Everything here is saved as plain Python values and tensors, so a checkpoint loads with
 ``torch.load(weights_only=True)``: no pickled objects, nothing that runs code.
@@ -6,6 +8,7 @@ Everything here is saved as plain Python values and tensors, so a checkpoint loa
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +17,7 @@ import numpy as np
 import torch
 
 from paratrain.distributed import comm
+from paratrain.log import get_logger, since_start
 
 
 @dataclass
@@ -25,8 +29,7 @@ class Progress:
     consumed: int = 0  # samples of the epoch's global order trained on (all replicas)
     global_step: int = 0
     skipped_steps: int = 0
-    best_top1: float = -1.0
-    seconds: float = 0.0  # wall-clock the run had spent when this was saved (--budget)
+    seconds: float = 0.0  # wall-clock earlier runs of this one spent (--budget), as loaded
     # this process's (loss x n, correct, n) over the epoch so far, where the loss is
     totals: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))
 
@@ -43,8 +46,7 @@ class Progress:
             "consumed": self.consumed,
             "global_step": self.global_step,
             "skipped_steps": self.skipped_steps,
-            "best_top1": self.best_top1,
-            "seconds": self.seconds,
+            "seconds": self.seconds + since_start(),  # with this command's, so far
             "totals": self.totals.detach().cpu().clone(),
         }
 
@@ -55,7 +57,6 @@ class Progress:
         self.consumed = int(state.get("consumed", 0))
         self.global_step = int(state.get("global_step", 0))
         self.skipped_steps = int(state.get("skipped_steps", 0))
-        self.best_top1 = float(state.get("best_top1", -1.0))
         self.seconds = float(state.get("seconds", 0.0))
         totals = state.get("totals")
         if isinstance(totals, torch.Tensor):
@@ -66,6 +67,60 @@ class Progress:
         progress = cls()
         progress.load_state_dict(state)
         return progress
+
+    def continue_under(self, saved_step: int, step: int, keeps_totals: bool) -> None:
+        """A resumed epoch under another global batch (``saved_step`` samples a step
+        then, ``step`` now) goes on from the same sample of its order: nothing skipped or
+        repeated. The epoch's sums so far stay with one rank alone (``keeps_totals``:
+        rank 0, where the global batch is unchanged)."""
+        if saved_step != step:
+            self.step_in_epoch = self.consumed // step
+        if not (saved_step == step and keeps_totals):
+            self.totals = torch.zeros(3, dtype=torch.float64)
+
+
+@dataclass
+class Best:
+    """The best --monitor score so far and the monitor's name: what picks best.pt."""
+
+    monitor: str
+    score: float = -math.inf
+
+    def offer(self, score: float) -> bool:
+        """Whether ``score`` is the best so far (a tie: the newer is kept)."""
+        better = score >= self.score
+        self.score = max(self.score, score)
+        return better
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"score": self.score, "monitor": self.monitor}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """The checkpoint's best, where it was scored by this monitor; under another, it
+        is set aside (said), and the next evaluation's score makes best.pt."""
+        if not state or state.get("score") is None:
+            return
+        if state.get("monitor", "top1") == self.monitor:
+            self.score = float(state["score"])
+            return
+        get_logger().info(
+            f"--monitor {self.monitor}, the checkpoint's best was by {state.get('monitor')} "
+            f"({float(state['score']):.4g}): set aside; best.pt is next written by "
+            f"{self.monitor} from the next evaluation on"
+        )
+
+
+class RngStates:
+    """Every rank's random-number generators (Python, numpy, torch, CUDA)."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        return gathered_rng_states()  # a collective: every rank saves
+
+    def load_state_dict(self, state: list[dict[str, Any]] | None) -> None:
+        restore_rng(state, self.rank)
 
 
 def rng_state() -> dict[str, Any]:

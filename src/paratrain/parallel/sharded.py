@@ -20,7 +20,7 @@ import os
 import pickle
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -29,9 +29,11 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from paratrain.distributed import comm
 from paratrain.errors import UserError
-from paratrain.files import swap_in
+from paratrain.files import replaced, swap_in
 from paratrain.parallel import optim_state
-from paratrain.parallel.parts import ModelParts
+
+if TYPE_CHECKING:
+    from paratrain.parallel.parts import ModelParts
 
 STATE = "state.pt"  # everything but the model's and optimizer's tensors
 
@@ -108,10 +110,8 @@ def save(directory: Path, parts: ModelParts, optimizer: torch.optim.Optimizer, r
     dcp.save(flat, checkpoint_id=tmp)
     groups = parts.gather_groups(groups)
     if comm.is_main():
-        with open(tmp / STATE, "wb") as handle:
+        with replaced(tmp / STATE) as handle:
             torch.save({**rest, "optimizer_groups": groups, "sharded": True}, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
         swap_in(tmp, directory)
     comm.barrier()
 
