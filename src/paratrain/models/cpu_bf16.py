@@ -5,7 +5,7 @@ ResNet's layer4 at 16 px, 3x3 kernel, stride 2) gets a weight gradient with garb
 even inf, at the taps that see only padding (torch 2.14.1, measured on an AMX CPU: 29 of
 30 tries off by more than 5% of fp32's; 0 of 30 for 1x1 at stride 1 or 2x2 and 3x3 at
 stride 1 or 2; 24 of 30 on an AVX512-BF16 CPU without AMX). Such convolutions run in fp32 (engine/run/precision, parallel/fsdp). The
-smallest reproduction is tests/unit/test_upstream_cpu.py, marked xfail(strict=True).
+smallest reproduction is tests/upstream/test_upstream_cpu.py, marked xfail(strict=True).
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ def data_parallel(
     the schedule runs every backward but the last under ``no_sync``, and torch 2.14.1's
     reducer otherwise counts the first step's gradients once per micro-batch (an internal
     assert on the next forward), or with ``static_graph`` never averages the last stage
-    (both reproduced in plain torch by tests/e2e/test_upstream.py)."""
+    (both reproduced in plain torch by tests/upstream/test_upstream.py)."""
     device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
     staged = group is not None
     wrapped = DistributedDataParallel(

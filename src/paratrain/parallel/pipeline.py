@@ -10,7 +10,7 @@ micro-batch but the last under DDP's no_sync, and the last one's backward all-re
 the gradients bucket by bucket while the rest of backward runs — no all-reduce by hand
 after it. The wrapper searches for unused parameters (``find_unused_parameters``):
 without it torch 2.14.1's DDP fails or averages nothing under the pipeline schedules
-(tests/e2e/test_upstream.py).
+(tests/upstream/test_upstream.py).
 
 Every stage of a replica reads the same batches (the first needs the images, the last
 the labels); the data is sharded over replicas, not processes. The loss, logits and

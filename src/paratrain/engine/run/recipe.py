@@ -211,7 +211,7 @@ def _missing_buffers(optimizer: torch.optim.SGD) -> None:
     --freeze-epochs), where the kernel is given a malformed call; and on a first step
     that may be skipped (``found_inf``: a GradScaler, or --on-nonfinite skip on CUDA),
     where the kernel leaves the buffers it made with ``empty_like`` unwritten and the
-    next step reads garbage. Both reproduced in tests/unit/test_upstream_cpu.py. A zero
+    next step reads garbage. Both reproduced in tests/upstream/test_upstream_cpu.py. A zero
     buffer is what SGD's first step starts from at paratrain's dampening of 0: momentum
     x 0 + gradient, the same result to the bit."""
     skippable = getattr(optimizer, "found_inf", None) is not None
@@ -228,7 +228,7 @@ def _missing_buffers(optimizer: torch.optim.SGD) -> None:
 
 
 # What StorageOrderSGD reaches into (private to torch.optim.sgd): SGD._init_group and
-# the functional sgd() with these keywords (tests/unit/test_private_torch.py checks both)
+# the functional sgd() with these keywords (tests/upstream/test_private_torch.py checks both)
 SGD_KEYWORDS = (
     "weight_decay", "momentum", "lr", "dampening", "nesterov", "maximize",
     "has_sparse_grad", "foreach", "fused", "grad_scale", "found_inf",

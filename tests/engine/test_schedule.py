@@ -100,7 +100,7 @@ def test_a_checkpoint_of_the_per_process_lr_resumes_at_its_rates():
 
     from paratrain.engine.checkpointing import checkpoint
 
-    v1 = Path(__file__).resolve().parents[1] / "data" / "checkpoint-v1"
+    v1 = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoint-v1"
     state = checkpoint.load(v1 / "mid-epoch.pt")  # lr 0.01, lr_scaling linear, batch 4
     cfg = state.train_config()
     assert cfg.lr is None and (cfg.lr_base, cfg.lr_base_size) == (0.01, 4)

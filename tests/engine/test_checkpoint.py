@@ -1,5 +1,5 @@
 """The checkpoint is typed and versioned: files written by an earlier paratrain (kept under
-tests/data/checkpoint-v1) are read, migrated and resumed from."""
+tests/fixtures/checkpoint-v1) are read, migrated and resumed from."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from paratrain.engine.checkpointing import checkpoint
 from paratrain.engine.checkpointing.checkpoint import FORMAT, Checkpoint
 from paratrain.errors import UserError
 
-V1 = Path(__file__).resolve().parents[1] / "data" / "checkpoint-v1"
+V1 = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoint-v1"
 
 
 def test_a_format_1_file_reads_as_a_typed_checkpoint():
@@ -78,7 +78,7 @@ def test_a_run_resumes_from_a_format_1_checkpoint(tmp_path, monkeypatch, capsys)
     assert resumed.format == FORMAT and resumed.progress["epoch"] == 2
 
 
-V2 = Path(__file__).resolve().parents[1] / "data" / "checkpoint-v2"
+V2 = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoint-v2"
 
 
 def test_a_format_2_file_migrates_its_parts_and_its_best_with_the_monitor():

@@ -127,7 +127,7 @@ PIPELINE_DDP = textwrap.dedent(
     "torch/distributed/pipelining/stage.py, backward_maybe_with_nosync; no upstream issue "
     "was found to cite. paratrain's stage wrappers search for unused parameters "
     "(find_unused_parameters=True, parallel/ddp.py), which keeps the reducer from "
-    "rebuilding its buckets and averages every copy: tests/distributed/test_partitioning.py",
+    "rebuilding its buckets and averages every copy: tests/parallel/test_pipeline.py",
 )
 @pytest.mark.parametrize("graph", ["dynamic", "static"])
 def test_ddp_wrapped_pipeline_stages_average_every_copys_gradients(tmp_path, graph):
