@@ -82,3 +82,16 @@ def last_weights(root: Path, name: str) -> dict[str, torch.Tensor]:
     folder = root / "runs" / name / "checkpoints"
     path = folder / "last.pt" if (folder / "last.pt").exists() else folder / "last"
     return checkpoint.load(path).model
+
+
+def run_cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PARATRAIN_CACHE"] = str(cwd / "cache")
+    return subprocess.run(
+        [sys.executable, "-m", "paratrain", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -12,23 +12,11 @@ import pytest
 import torch
 
 from imagefolders import make_image_folder
+from trainruns import run_cli
 
 pytestmark = pytest.mark.slow
 
 FAST = ["--model", "resnet18", "--image-size", "16", "--batch-size", "4", "--workers", "0"]
-
-
-def run_cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["PARATRAIN_CACHE"] = str(cwd / "cache")
-    return subprocess.run(
-        [sys.executable, "-m", "paratrain", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_cluster import sbatch
 
 from imagefolders import make_image_folder
 from paratrain.cli import main
 from paratrain.engine.checkpointing import checkpoint
+from slurmstub import sbatch
 from spawn import fit_on_rank, run_distributed
 
 pytestmark = pytest.mark.slow

@@ -7,10 +7,10 @@ import json
 
 import pytest
 import torchvision
-from test_cli import run_cli
 
 from imagefolders import make_image_folder
 from paratrain.engine.checkpointing import checkpoint
+from trainruns import run_cli
 
 pytestmark = pytest.mark.slow
 
