@@ -52,6 +52,36 @@ def image_folder(tmp_path) -> Path:
     return make_image_folder(tmp_path / "data", classes=3, per_class=12)
 
 
+TINY_RUN = dict(
+    model="resnet18", image_size=16, batch_size=4, workers=0, precision="32", cache="off", epochs=1
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_run_once(tmp_path_factory) -> Path:
+    """One tiny run, trained once per test session (per worker process): 3 classes x 12
+    images, one epoch of resnet18 at 16 px. Read it through ``tiny_run``, which hands
+    each module its own copy, so no test sees another's changes."""
+    from paratrain import TrainConfig, train
+
+    root = tmp_path_factory.mktemp("trained-once")
+    data = make_image_folder(root / "data", classes=3, per_class=12)
+    train(TrainConfig(data=str(data), output_dir=str(root / "runs"), name="r", **TINY_RUN))
+    return root
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_run_once, tmp_path_factory) -> tuple[Path, Path, Path]:
+    """(a folder, its data, the run's last checkpoint): a copy of the session's tiny run,
+    its data and ``runs/r`` as trained, for this module alone."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("trained")
+    shutil.copytree(tiny_run_once / "data", root / "data")
+    shutil.copytree(tiny_run_once / "runs", root / "runs")
+    return root, root / "data", root / "runs" / "r" / "checkpoints" / "last.pt"
+
+
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(0)

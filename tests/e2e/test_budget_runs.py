@@ -35,9 +35,9 @@ def test_a_budget_ends_on_time_and_a_resumed_run_keeps_what_is_left(data):
     assert crashed.returncode != 0
     assert "budget 1m30s: " in crashed.stdout and "epochs fit in the" in crashed.stdout
     assert "training at 16px" in crashed.stdout
-    spent = torch.load(root / "runs/budget/checkpoints/last.pt", weights_only=False)["progress"][
-        "seconds"
-    ]
+    spent = torch.load(root / "runs/budget/checkpoints/last.pt", weights_only=False)["parts"][
+        "progress"
+    ]["seconds"]
     assert 5 < spent < first_wall
     resumed, wall = run(root, *common, "--resume", "auto", timeout=300)
     assert resumed.returncode == 0, resumed.stderr

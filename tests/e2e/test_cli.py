@@ -98,7 +98,7 @@ def test_resume_auto_continues_at_the_next_epoch(trained):
     assert csv_lines[0].startswith("epoch,lr,train_loss,train_acc,val_loss,val_top1,val_top5")
     assert len(csv_lines) == 3
     state = torch.load(root / "runs/r1/checkpoints/last.pt", weights_only=False)
-    assert state["progress"]["epoch"] == 2
+    assert state["parts"]["progress"]["epoch"] == 2
     assert not any(k.startswith("module.") for k in state["model"])
 
 

@@ -79,11 +79,11 @@ def test_resume_mid_epoch_is_bit_exact(data, uninterrupted):
     assert crashed.returncode != 0
     state = torch.load(root / "runs/broken/checkpoints/last.pt", weights_only=False)
     assert (
-        state["progress"]["epoch"],
-        state["progress"]["step_in_epoch"],
-        state["progress"]["global_step"],
+        state["parts"]["progress"]["epoch"],
+        state["parts"]["progress"]["step_in_epoch"],
+        state["parts"]["progress"]["global_step"],
     ) == (1, 2, 8)
-    assert len(state["rng"]) == 2 and state["scaler"] is None
+    assert len(state["parts"]["rng"]) == 2 and state["parts"]["recipe"]["scaler"] is None
     resumed, _ = run(root, *common, "--resume", "auto")
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from runs/broken/checkpoints/last.pt at epoch 2, step 2" in resumed.stdout
@@ -182,7 +182,7 @@ def test_sigterm_saves_at_a_step_boundary_and_exits_143(data):
     assert code == 143, stderr
     assert "stopped by SIGTERM; checkpoint saved" in stderr
     state = torch.load(root / "runs/preempted/checkpoints/last.pt", weights_only=False)
-    assert state["progress"]["global_step"] > 0 and len(state["rng"]) == 2
+    assert state["parts"]["progress"]["global_step"] > 0 and len(state["parts"]["rng"]) == 2
 
 
 def test_sigusr1_under_slurm_requeues_the_array_task(data, tmp_path):
@@ -290,7 +290,7 @@ def test_a_full_disk_at_a_save_keeps_the_checkpoint_before_and_says_why(data):
     assert "could not write a checkpoint in" in told[0] and "No space left on device" in told[0]
     assert "Traceback" not in out.stderr
     state = torch.load(root / "runs/full/checkpoints/last.pt", weights_only=False)
-    assert state["progress"]["global_step"] == 4  # the save before the failed one
+    assert state["parts"]["progress"]["global_step"] == 4  # the save before the failed one
 
 
 def test_chaos_four_kills_at_random_moments_end_bit_identical(data):

@@ -59,16 +59,10 @@ def _one_error_line(err: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """One epoch of a tiny run: its folder, its data and its last checkpoint."""
-    root = tmp_path_factory.mktemp("trust")
-    data = make_image_folder(root / "data", classes=3, per_class=12)
-    train(
-        TrainConfig(
-            data=str(data), epochs=1, output_dir=str(root / "runs"), name="r", cache="off", **FAST
-        )
-    )
-    return root, data, root / "runs/r/checkpoints/last.pt"
+def trained(tiny_run):
+    """One epoch of a tiny run (conftest's, trained once a session): its folder, its
+    data and its last checkpoint."""
+    return tiny_run
 
 
 def _flags(root: Path, data: Path, *extra: str) -> list[str]:

@@ -291,8 +291,7 @@ class Checkpointer:
             layout=dataclasses.asdict(self.model.layout),
             lr=_base_lr(self.optimizer),
             score=score,
-        ).to_dict()
-        del rest["model"], rest["optimizer"]
+        ).to_dict()  # the model and optimizer: the I/O's (a sharded one keeps them apart)
         last = self.io.path(self.dir, LATEST)
         fault = self.fault
         self.io.save(last, self.model, self.optimizer, rest,
