@@ -73,14 +73,13 @@ def _train(cfg: TrainConfig, runtime: Runtime) -> dict:
             while more:
                 epoch_start = time.perf_counter()
                 train_seconds = train_epoch(run, epoch)
-                result, averaged = validate(run)
+                result, others = validate(run)
                 cost = time.perf_counter() - epoch_start
-                record_epoch(run, epoch, cost, train_seconds, result, averaged)
+                record_epoch(run, epoch, cost, train_seconds, result, others)
                 more = run.end.after_epoch(epoch, time.perf_counter() - epoch_start,
                                            progress.global_step)  # fmt: skip
                 epoch += 1
-            if run.loggers.active:
-                run.loggers.finish(run.run_dir / "curves.png", last_of_run(run.run_dir))
+            run.loggers.finish(run.run_dir / "curves.png", last_of_run(run.run_dir))
     except KeyboardInterrupt:  # checkpoints are written whole or not at all: say which
         raise Interrupted(run.run_dir, last_of_run(run.run_dir)) from None
     comm.barrier()
@@ -95,9 +94,7 @@ def train_epoch(run: Run, epoch: int) -> float:
     sampler.set_epoch(epoch, progress.consumed)  # a new order every epoch
     bar = progress_bar(run.runtime, len(sampler) * parts.replicas, epoch, run.end.whole)
     run.loggers.start_epoch()
-    freezing = run.recipe.freezing
-    if freezing is not None and freezing.set_epoch(epoch):
-        get_logger().info(f"epoch {epoch + 1}: the backbone thaws; every layer trains")
+    run.recipe.start_epoch(epoch)  # --freeze-epochs
     size = run.end.train_size(cfg, epoch)  # --progressive: this epoch's size
     if size != run.loaders.train_size:
         run.loaders.train_at(size)
@@ -114,18 +111,16 @@ def train_epoch(run: Run, epoch: int) -> float:
         if run.first_step is None:  # what a user waits for: from the command to training
             run.first_step = since_start()
             get_logger().info(f"first step {run.first_step:.1f} s after the command started")
-        if bar is not None:
-            bar.update(images * parts.replicas)
-            if progress.global_step % run.control.check_every == 0:
-                totals = progress.totals.tolist()
-                bar.set_postfix(loss=f"{totals[0] / max(totals[2], 1):.4f}")
+        bar.update(images * parts.replicas)
+        if not bar.disable and progress.global_step % run.control.check_every == 0:
+            totals = progress.totals.tolist()  # read back only where shown
+            bar.set_postfix(loss=f"{totals[0] / max(totals[2], 1):.4f}")
         run.control.after_step(progress)
         trained = epoch + progress.consumed / sampler.total
         if run.end.after_step(trained, progress.global_step, bar, epoch):
             break
     run.cut_short = remaining > 0
-    if bar is not None:
-        bar.close()
+    bar.close()
     seconds = time.perf_counter() - start
     trained = epoch + progress.consumed / sampler.total
     run.end.epoch_trained(trained, seconds, progress.global_step - first)
@@ -140,17 +135,17 @@ def train_step(run: Run, micro_batches: Iterator, count: int) -> int:
     result = one_step(run.stepper, micro_batches, count, progress)
     if result.skipped is not True:
         progress.totals += result.sums
-        if run.loggers.active:
-            lr = base_lr(run.optimizer)
-            run.loggers.add(result.sums, progress.global_step + 1, lr, run.control.check_every)
+        lr = base_lr(run.optimizer)
+        run.loggers.add(result.sums, progress.global_step + 1, lr, run.control.check_every)
     progress.step_in_epoch += 1
     progress.global_step += 1
     progress.consumed += result.images * run.parts.replicas
     return result.images
 
 
-def validate(run: Run) -> tuple[EvalResult, EvalResult | None]:
-    """The model (and its EMA) on every validation image, each counted once."""
+def validate(run: Run) -> tuple[EvalResult, dict[str, EvalResult]]:
+    """The model, and the recipe's other models (the EMA weights), on every validation
+    image, each counted once: the model's result, the others' by their suffix."""
     run.control.check(run.progress)  # what the epoch's steps left unread, before anything uses it
     last = run.progress.epoch + 1 >= run.end.whole
     agree_intact(run.loaders.cache, wait=last)  # the cache's background check: damage stops
@@ -160,10 +155,11 @@ def validate(run: Run) -> tuple[EvalResult, EvalResult | None]:
         tta, limit = run.cfg.tta == "flip", run.cfg.limit_val_batches
         val, device = run.loaders.val, run.runtime.device
         result = evaluate(run.parts, val, run.parts.input_device, classes, tta=tta, limit=limit)
-        averaged = None
-        if run.recipe.ema is not None:
-            averaged = evaluate(run.recipe.ema.module, val, device, classes, tta=tta, limit=limit)
-    return result, averaged
+        others = {
+            suffix: evaluate(model, val, device, classes, tta=tta, limit=limit)
+            for suffix, model in run.recipe.evaluated().items()
+        }
+    return result, others
 
 
 def record_epoch(
@@ -172,7 +168,7 @@ def record_epoch(
     epoch_seconds: float,
     train_seconds: float,
     result: EvalResult,
-    averaged: EvalResult | None,
+    others: dict[str, EvalResult],
 ) -> None:
     """Step the schedule, save, and write the epoch's metrics row, curves and line."""
     progress = run.progress
@@ -192,8 +188,8 @@ def record_epoch(
         "first_step_s": run.first_step,
         "since_start_s": since_start(),  # when the epoch's evaluation ended, from the command
     }
-    if averaged is not None:
-        row.update(val_loss_ema=averaged.loss, val_top1_ema=averaged.top1)
+    for suffix, other in others.items():  # the EMA weights' (val_loss_ema, val_top1_ema)
+        row.update({f"val_loss{suffix}": other.loss, f"val_top1{suffix}": other.top1})
     if not run.cut_short:  # else saved mid-epoch: a resumed run trains the rest of it
         progress.start_epoch(epoch + 1)
     run.saver.save(progress, score=result.score(run.cfg.monitor))  # --monitor picks best.pt

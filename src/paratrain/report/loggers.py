@@ -92,7 +92,9 @@ class Loggers:
 
     def add(self, step: torch.Tensor, global_step: int, lr: float, every: int) -> None:
         """Count one step's (loss x n, correct, n), a tensor on the device; written (read
-        back) every ``every`` steps."""
+        back) every ``every`` steps; nothing without a tracker (nothing read back)."""
+        if not self.trackers:
+            return
         self.pending = step if self.pending is None else self.pending + step
         if global_step % every:
             return

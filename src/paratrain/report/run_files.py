@@ -105,11 +105,14 @@ class EpochBar(tqdm):
             redirect.__exit__(None, None, None)
 
 
-def progress_bar(runtime: Runtime, total: int, epoch: int, epochs: int) -> tqdm | None:
-    """Rank 0's bar over the epoch's images, on a terminal only."""
-    if not runtime.is_main or not sys.stdout.isatty() or os.environ.get("PARATRAIN_NO_BAR"):
-        return None
-    return EpochBar(total=total, desc=f"epoch {epoch + 1}/{epochs}", unit="img", leave=False)
+def progress_bar(runtime: Runtime, total: int, epoch: int, epochs: int) -> tqdm:
+    """Rank 0's bar over the epoch's images, on a terminal only (elsewhere a bar that
+    shows nothing: its calls do nothing)."""
+    hidden = (
+        not runtime.is_main or not sys.stdout.isatty() or bool(os.environ.get("PARATRAIN_NO_BAR"))
+    )
+    return EpochBar(total=total, desc=f"epoch {epoch + 1}/{epochs}", unit="img", leave=False,
+                    disable=hidden)  # fmt: skip
 
 
 def _parts(first_step: float | None, seconds: float) -> str:

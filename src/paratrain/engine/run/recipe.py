@@ -37,6 +37,16 @@ class Recipe:
     clip_grad: float | None = None
     freezing: Freezing | None = None  # --freeze-epochs
 
+    def start_epoch(self, epoch: int) -> None:
+        """--freeze-epochs: frozen or not for ``epoch`` (said where the backbone thaws)."""
+        if self.freezing is not None and self.freezing.set_epoch(epoch):
+            get_logger().info(f"epoch {epoch + 1}: the backbone thaws; every layer trains")
+
+    def evaluated(self) -> dict[str, nn.Module]:
+        """The models evaluated besides the trained one, by the suffix of their metrics
+        columns: the EMA weights' (``_ema``), where kept."""
+        return {"_ema": self.ema.module} if self.ema is not None else {}
+
     def state_dict(self) -> dict[str, Any]:
         """What of the recipe a checkpoint keeps: the EMA weights, the grad scaler."""
         scaler = self.precision.scaler
