@@ -160,3 +160,19 @@ def test_no_module_imports_itself_around_a_cycle():
         if v not in index:
             visit(v)
     assert not cycles, cycles
+
+
+def test_no_module_over_600_lines_and_no_function_over_60():
+    """Rooms stay small enough to read: a module that grows past 600 lines, or a function
+    past 60, is split (docs/architecture.md says where each piece goes)."""
+    long_modules, long_functions = [], []
+    for name, path in modules().items():
+        text = path.read_text()
+        if len(text.splitlines()) > 600:
+            long_modules.append(f"{name}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                if length > 60:
+                    long_functions.append(f"{name}.{node.name}: {length} lines")
+    assert not long_modules and not long_functions, "\n".join(long_modules + long_functions)

@@ -19,7 +19,9 @@ def _branches(tree: ast.AST) -> list[ast.expr]:
         node.test
         for node in ast.walk(tree)
         if isinstance(node, ast.If | ast.While | ast.IfExp | ast.Assert)
-    ] + [cond for node in ast.walk(tree) if isinstance(node, ast.comprehension) for cond in node.ifs]
+    ] + [
+        cond for node in ast.walk(tree) if isinstance(node, ast.comprehension) for cond in node.ifs
+    ]
 
 
 def test_the_loop_is_an_outline_without_feature_branches():
