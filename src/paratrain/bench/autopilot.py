@@ -427,7 +427,7 @@ def range_test(cfg: TrainConfig, steps: int, plot: Path | None, say) -> Choice[f
     torch.manual_seed(cfg.seed)
     stepper = _one_process_stepper(sweep, torch.device("cpu"), len(split.classes))
     data = DecodedSamples(split.train, TrainAugment(Augment.of(cfg)))
-    order = train_sampler(len(data), 0, 1, cfg.seed)  # shuffled, each sample its own seed
+    order = train_sampler(split.train.labels, 0, 1, cfg.seed)  # shuffled, each its own seed
     loader = DataLoader(data, batch_sampler=TrainBatches(order, cfg.batch), collate_fn=batched)
     lrs, losses = [], []
     ratio = (RANGE[1] / RANGE[0]) ** (1 / max(steps - 1, 1))

@@ -327,6 +327,8 @@ def make_loaders(
         train_set = CachedImages(split.train, cache, augment)
     else:
         train_set = DecodedSamples(split.train, augment)
+    labels = split.train.labels
+    power = cfg.balance_power if cfg.balance == "sampler" else None  # --balance sampler
     local = node_local(split, runtime)
     if local is not None:  # each node trains on its own shards, the same steps on each
         if replicas != runtime.world_size:
@@ -336,11 +338,11 @@ def make_loaders(
                 f"{runtime.world_size} processes)"
             )
         longest = max(comm.all_gather_object(len(train_set)))
-        sampler = train_sampler(len(train_set), local[0], local[1], cfg.seed, cfg.ra_reps)
+        sampler = train_sampler(labels, local[0], local[1], cfg.seed, cfg.ra_reps, power)
         sampler.node_share(-(-longest // local[1]) * local[1], nodes_of(runtime))
         replica, replicas = local
     else:
-        sampler = train_sampler(len(train_set), replica, replicas, cfg.seed, cfg.ra_reps)
+        sampler = train_sampler(labels, replica, replicas, cfg.seed, cfg.ra_reps, power)
     if len(sampler) == 1:
         raise AgreedUserError(
             f"{len(train_set)} training image(s) give each of {replicas} model copies 1 image "

@@ -75,6 +75,60 @@ class TrainSampler(Sampler[tuple[int, int]]):
         return len(range(self.consumed + self.rank, self.length, self.world_size))
 
 
+def balanced_quotas(counts: np.ndarray, n: int, power: float) -> np.ndarray:
+    """How many of an epoch's ``n`` draws each class gets: in proportion to
+    ``count^(1 - power)`` (inverse-frequency weights ``count^-power`` per image), rounded
+    by largest remainder so that they sum to ``n`` exactly; a class without images none."""
+    share = np.where(counts > 0, counts.astype(np.float64) ** (1.0 - power), 0.0)
+    target = share / share.sum() * n
+    quotas = np.floor(target).astype(np.int64)
+    short = n - int(quotas.sum())
+    if short:  # the largest remainders first, ties to the lower class
+        order = np.lexsort((np.arange(len(counts)), -(target - quotas)))
+        quotas[order[:short]] += 1
+    return quotas
+
+
+class BalancedSampler(TrainSampler):
+    """--balance sampler: each epoch draws as many images as the data holds (the epoch
+    is as long as an unbalanced one), each class its quota (``balanced_quotas``): a
+    class's images in a fresh random order, cycled where the quota exceeds them (a rare
+    class's images repeat evenly, a frequent class's are a subset, none twice before all
+    once). The draws are shuffled together, seeded by the seed and the epoch alone, so
+    the order is the same at every rank and world size, and a resumed epoch skips what
+    was consumed, as TrainSampler's; every rank takes the same number of steps."""
+
+    def __init__(
+        self,
+        labels: np.ndarray,
+        rank: int,
+        world_size: int,
+        seed: int = 0,
+        power: float = 0.5,
+        repeats: int = 1,
+    ):
+        super().__init__(len(labels), rank, world_size, seed, repeats)
+        labels = np.asarray(labels, np.int64)
+        self.counts = np.bincount(labels) if len(labels) else np.zeros(0, np.int64)
+        self.quotas = balanced_quotas(self.counts, len(labels), power)
+        by_class = np.argsort(labels, kind="stable")
+        self.members = np.split(by_class, np.cumsum(self.counts)[:-1]) if len(labels) else []
+
+    def _global_order(self) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, self.epoch, 0xBA1])
+        picks = []
+        for members, quota in zip(self.members, self.quotas.tolist(), strict=True):
+            if quota:
+                cycles = -(-quota // len(members))
+                picks.append(
+                    np.concatenate([rng.permutation(members) for _ in range(cycles)])[:quota]
+                )
+        order = rng.permutation(np.concatenate(picks)) if picks else np.zeros(0, np.int64)
+        if self.repeats > 1:
+            order = np.repeat(order, self.repeats)[: self.n]
+        return np.resize(order, self.length) if self.n else order
+
+
 class TrainBatches(Sampler):
     """The sampler's samples in batches of ``batch_size``, where a last batch of a
     single sample is folded into the batch before it (batch_size + 1 samples): BatchNorm
@@ -110,10 +164,18 @@ class TrainBatches(Sampler):
 
 
 def train_sampler(
-    dataset_len: int, rank: int, world_size: int, seed: int, repeats: int = 1
+    labels: np.ndarray,
+    rank: int,
+    world_size: int,
+    seed: int,
+    repeats: int = 1,
+    balance_power: float | None = None,
 ) -> TrainSampler:
-    """The training sampler of one shard of ``replicas``."""
-    return TrainSampler(dataset_len, rank, world_size, seed, repeats)
+    """The training sampler of one shard of ``replicas``: class-balanced where
+    ``balance_power`` is given (--balance sampler)."""
+    if balance_power is not None:
+        return BalancedSampler(labels, rank, world_size, seed, balance_power, repeats)
+    return TrainSampler(len(labels), rank, world_size, seed, repeats)
 
 
 class ShardedEvalSampler(Sampler[int]):

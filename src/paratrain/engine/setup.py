@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from paratrain.config import TrainConfig
@@ -23,6 +24,7 @@ from paratrain.engine.checkpointing.checkpoint import (
 )
 from paratrain.engine.checkpointing.run_dir import resolve_run
 from paratrain.engine.end import End
+from paratrain.engine.prerun import balance
 from paratrain.engine.prerun.budget import Budget, choose_recipe, concrete, recipe_words
 from paratrain.engine.prerun.describe import data_words, run_facts
 from paratrain.engine.prerun.preflight import check_model_input
@@ -83,9 +85,12 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
     split = keep_sides(split, run_dir, resume_from is not None, runtime)
     intent, cfg = _budget_recipe(cfg, runtime, split, run_dir if resume_from else None)
     cache, split = prepare_data(cfg, split, runtime, run_dir)
+    cfg = balance.decide(cfg, split.train.labels, split.classes)  # --balance, --monitor auto
     parts = build_parts(cfg, len(split.classes), runtime)
     optimizer = build_optimizer(parts, cfg, parts.replicas)
-    recipe = build_recipe(cfg, parts, len(split.classes), precision_module.build(cfg, runtime))
+    counts = np.bincount(split.train.labels, minlength=len(split.classes))
+    precision = precision_module.build(cfg, runtime)
+    recipe = build_recipe(cfg, parts, len(split.classes), precision, counts.tolist())
     recipe.precision.prepare(parts)  # after the EMA copy: it averages the model as built
     seed_everything(cfg.seed + 1000 * runtime.rank)  # model randomness (dropout) differs per rank
     loaders = make_loaders(

@@ -138,11 +138,33 @@ class DataSettings:
         resume="fixed_mid_epoch",
     )
     monitor: str = setting(
-        "top1",
-        "the validation score that picks best.pt (report/scores)",
+        "auto",
+        "the validation score that picks best.pt (report/scores); auto: top1, or macro_f1 "
+        "where the classes are balanced (--balance)",
         group="data",
         choices_from=SCORES,
+        auto=True,
         resume="quiet",
+    )
+    balance: str = setting(
+        "auto",
+        "imbalanced classes: sampler draws each epoch's images weighted by inverse class "
+        "frequency (tempered by --balance-power), loss weights the loss alike, auto samples "
+        "so where the largest class is at least 4x the smallest, none trains on the data "
+        "as it is; evaluation stays exact and unweighted",
+        group="data",
+        choices=("none", "sampler", "loss", "auto"),
+        resume="fixed_mid_epoch",
+    )
+    balance_power: float = setting(
+        0.5,
+        "how far --balance evens the classes: weights (1/class count)^power, 1 draws every "
+        "class equally often, 0.5 (the square root) halfway",
+        group="data",
+        low=0.0,
+        high=1.0,
+        low_open=True,
+        resume="fixed_mid_epoch",
     )
     tta: str = setting(
         "none",

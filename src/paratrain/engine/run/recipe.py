@@ -7,7 +7,7 @@ an option is on or off.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,11 +116,16 @@ class Freezing:
 
 
 def build_recipe(
-    cfg: TrainConfig, parts: ModelParts, num_classes: int, precision: Precision
+    cfg: TrainConfig,
+    parts: ModelParts,
+    num_classes: int,
+    precision: Precision,
+    class_counts: Sequence[int] | None = None,
 ) -> Recipe:
-    """The recipe of ``cfg``: criterion, precision, MixUp/CutMix, EMA, accumulation, clipping."""
+    """The recipe of ``cfg``: criterion, precision, MixUp/CutMix, EMA, accumulation,
+    clipping; ``class_counts``: the training images of each class (--balance loss)."""
     return Recipe(
-        criterion=build_criterion(cfg),
+        criterion=build_criterion(cfg, class_counts).to(parts.output_device),
         precision=precision,
         mixer=build_mixer(cfg, num_classes),
         ema=EMA(parts, cfg.ema_decay) if cfg.ema_decay else None,
@@ -322,9 +327,22 @@ class StorageOrderSGD(torch.optim.SGD):
         return loss
 
 
-def build_criterion(cfg: TrainConfig) -> nn.Module:
-    """Cross-entropy; it takes class indices, or class probabilities after MixUp/CutMix."""
-    return nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+def build_criterion(cfg: TrainConfig, class_counts: Sequence[int] | None = None) -> nn.Module:
+    """Cross-entropy; it takes class indices, or class probabilities after MixUp/CutMix.
+    Under --balance loss each class weighs (1/count)^--balance-power, scaled so that the
+    average image weighs 1 (the loss's size, and so the rate's, stays the unweighted one)."""
+    weight = None
+    if cfg.balance == "loss" and class_counts is not None:
+        weight = class_weights(class_counts, cfg.balance_power)
+    return nn.CrossEntropyLoss(weight=weight, label_smoothing=cfg.label_smoothing)
+
+
+def class_weights(class_counts: Sequence[int], power: float) -> torch.Tensor:
+    """Per-class loss weights ``count^-power``, their mean over the images 1."""
+    counts = torch.tensor([max(int(c), 1) for c in class_counts], dtype=torch.float64)
+    weights = counts.pow(-power)
+    weights *= counts.sum() / (counts * weights).sum()
+    return weights.float()
 
 
 def build_mixer(cfg: TrainConfig, num_classes: int) -> Callable | None:
