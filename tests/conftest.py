@@ -29,6 +29,15 @@ def pytest_configure(config):
     os.environ["HF_HUB_OFFLINE"] = "1"  # the suite runs offline; a fetch test serves its own
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """The files of slow tests (multi-process and whole-tool runs) first, in their own
+    order: the two workers take a file each at a time, and a long file started last
+    would leave one of them alone at the end."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    # the whole-tool runs (tests/e2e) are the longest files: first of all
+    items.sort(key=lambda item: (item.path not in slow, item.path.parent.name != "e2e"))
+
+
 @pytest.fixture(autouse=True)
 def _clean_dist_env(monkeypatch):
     """No test sees a launcher's variables from the shell that ran pytest."""
