@@ -1,9 +1,11 @@
 """--balance on a generated set at 10:1: balanced accuracy with and without balancing.
 
-The set: 5 classes of shapes on clutter (benchmarks/ablation.py's shapes, 96x72 px),
-class 0 ten times the others in training (``--major`` and ``--minor`` images), the
-validation split balanced (``--val`` per class), so that balanced accuracy and macro-F1
-say how well the rare classes are learnt. Each mode (none, sampler, loss) trains the
+The set: 5 classes of 40x40 colour patches, each class a mean colour along a line in
+RGB with a per-image offset as wide as the step between classes (neighbours overlap:
+where the boundary lies is learnt from how many of each the data holds), class 0 ten
+times the others in training (``--major`` and ``--minor`` images), the validation split
+balanced (``--val`` per class), so that balanced accuracy and macro-F1 say how well the
+rare classes are learnt. Each mode (none, sampler, loss) trains the
 same epochs from the same seed, in one process; every seed is a new set and a new run.
 Printed: a markdown table of final validation balanced accuracy, top-1 and macro-F1,
 the mean over seeds and the spread (max - min), and the machine.
@@ -21,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageDraw
+from PIL import Image
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -33,29 +35,14 @@ CLASSES = 5
 MODES = ("none", "sampler", "loss")
 
 
-def _shape(rng: np.random.Generator, label: int) -> Image.Image:
-    background = rng.integers(0, 256, size=(9, 12, 3), dtype=np.uint8)
-    image = Image.fromarray(background).resize((96, 72), Image.Resampling.BILINEAR)
-    draw = ImageDraw.Draw(image)
-    for _ in range(4):  # clutter: lines that are no shape
-        points = [tuple(int(v) for v in rng.integers(0, 96, 2)) for _ in range(2)]
-        draw.line(points, fill=tuple(int(v) for v in rng.integers(0, 256, 3)), width=2)
-    r = int(rng.uniform(10, 26))
-    cx, cy = int(rng.uniform(r, 96 - r)), int(rng.uniform(r, 72 - r))
-    colour = tuple(int(v) for v in rng.integers(0, 256, 3))
-    box = (cx - r, cy - r, cx + r, cy + r)
-    if label == 0:
-        draw.ellipse(box, fill=colour)
-    elif label == 1:
-        draw.rectangle(box, fill=colour)
-    elif label == 2:
-        draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=colour)
-    elif label == 3:
-        draw.rectangle((cx - r, cy - r // 4, cx + r, cy + r // 4), fill=colour)
-        draw.rectangle((cx - r // 4, cy - r, cx + r // 4, cy + r), fill=colour)
-    else:
-        draw.ellipse(box, outline=colour, width=max(3, r // 4))
-    return image
+def _image(rng: np.random.Generator, label: int) -> Image.Image:
+    """A 40x40 patch whose colour says its class: the class's mean colour, a per-image
+    offset as wide as the step between neighbouring classes (so neighbours overlap and
+    the boundary between them is where the data puts it), and pixel noise."""
+    mean = np.array([90.0, 120.0, 150.0]) + label * np.array([16.0, 9.0, -12.0])
+    colour = mean + rng.normal(0, 11, 3)
+    pixels = colour + rng.normal(0, 30, (40, 40, 3))
+    return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
 
 
 def make_imbalanced(root: Path, seed: int, major: int, minor: int, val: int) -> Path:
@@ -67,7 +54,7 @@ def make_imbalanced(root: Path, seed: int, major: int, minor: int, val: int) -> 
             folder = root / subset / f"class_{label}"
             folder.mkdir(parents=True, exist_ok=True)
             for i in range(count):
-                _shape(rng, label).save(folder / f"{i:04d}.jpg", quality=90)
+                _image(rng, label).save(folder / f"{i:04d}.png")
     return root
 
 

@@ -251,6 +251,7 @@ def _estimate(cfg: TrainConfig, devices: int, batch: int | None = None) -> list:
         cfg.microbatches,
         cfg.schedule,
         model_name=cfg.model,
+        teacher=plan.teacher_of(cfg, 10),
     )
 
 
@@ -323,7 +324,7 @@ def choose_batch(
     rows = {r.strategy: r for r in _estimate(cfg, nproc, batch=DEFAULT_BATCH)}
     row = rows[strategy if strategy in rows else "ddp"]
     per_sample = row.activations / DEFAULT_BATCH
-    fixed = row.parameters + row.gradients + row.optimizer
+    fixed = row.parameters + row.gradients + row.optimizer + row.teacher
     batch = batch_from_estimate(fixed, per_sample, memory)
     batch = min(batch, 1024)
     why = (

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -57,10 +57,13 @@ def estimate(
     schedule: str = "1f1b",
     model_name: str = "model",
     autocast: torch.dtype | None = None,
+    teacher: nn.Module | None = None,
 ) -> list[DeviceMemory]:
     """The most any one device needs, for each strategy at ``devices`` devices (each
     strategy's own estimate, parallel/<name>.py), fastest first; activations as saved
-    under ``autocast`` (the run's mixed precision), weights and optimizer state fp32."""
+    under ``autocast`` (the run's mixed precision), weights and optimizer state fp32.
+    With a ``teacher`` (--teacher), its fp32 weights as each strategy places them, and
+    only the strategies that take one."""
     sample = partition.sample_images(image_size, PROFILE_BATCH)
     traced, starts = partition.plan_stages(
         model, devices, sample, model_name=model_name, autocast=autocast
@@ -69,7 +72,24 @@ def estimate(
         model, traced, starts, batch, PROFILE_BATCH, devices, slots, microbatches, schedule
     )
     rows = [row for name in STRATEGIES if (row := strategy_of(name).memory(profile)) is not None]
+    if teacher is not None:
+        weights = sum(p.numel() * 4 for p in teacher.parameters())
+        rows = [
+            replace(row, teacher=strategy_of(row.strategy).teacher_bytes(weights, devices))
+            for row in rows
+            if "teacher" in strategy_of(row.strategy).takes
+        ]
     return sorted(rows, key=lambda row: strategy_of(row.strategy).speed_order)
+
+
+def teacher_of(cfg: TrainConfig, classes: int) -> nn.Module | None:
+    """--teacher's shapes (on the meta device: nothing allocated), for the estimate."""
+    if cfg.teacher is None:
+        return None
+    from paratrain.models.registry import create_model
+
+    with torch.device("meta"):
+        return create_model(cfg.teacher, classes, cfg.image_size)
 
 
 def fits(row: DeviceMemory, device_memory: int, devices: int) -> bool:
@@ -114,9 +134,10 @@ def format_plan(
         needs = strategy_of(r.strategy).min_devices
         if devices < needs:
             verdict = f"no (needs {needs}+ devices)"
+        taught = f"; the teacher {_mib(r.teacher).strip()}" if r.teacher else ""
         lines.append(
             f"{r.strategy:<9} {_mib(r.parameters)} {_mib(r.gradients)} {_mib(r.optimizer)} "
-            f"{_mib(r.activations)} {_gib(r.total):>10}  {verdict}  ({r.detail})"
+            f"{_mib(r.activations)} {_gib(r.total):>10}  {verdict}  ({r.detail}{taught})"
         )
     lines.append(f"recommended: {choice} — {why}" if choice else f"recommended: none — {why}")
     return "\n".join(lines)
@@ -255,6 +276,7 @@ def plan(cfg: TrainConfig, opts: PlanOptions) -> tuple[dict, str]:
         cfg.schedule,
         model_name=cfg.model,
         autocast=AUTOCAST.get(mode),
+        teacher=teacher_of(cfg, opts.classes),
     )
     choice, why = recommend(rows, limit, opts.devices)
     result = {

@@ -45,6 +45,7 @@ STEP_SETTINGS = (
 BENCH_SETTINGS = (*STEP_SETTINGS, "nproc")
 PLAN_SETTINGS = (
     "model",
+    "teacher",
     "image_size",
     "batch_size",
     "opt",

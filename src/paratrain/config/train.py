@@ -65,6 +65,8 @@ class TrainConfig(
         its own: parallel/<name>.py)."""
         if self.warmup_epochs and self.warmup_steps:
             raise UserError("--warmup-epochs and --warmup-steps are alternatives; give one")
+        if self.teacher_weights is not None and self.teacher is None:
+            raise UserError("--teacher-weights needs --teacher: the model they belong to")
         if self.sched == "multistep" and not self.lr_milestones:
             raise UserError("--sched multistep needs --lr-milestones (e.g. 30,60,80)")
         if self.name is not None and (

@@ -37,7 +37,7 @@ from paratrain.engine.run.state import Best, Progress, RngStates
 from paratrain.engine.run.step import Stepper
 from paratrain.errors import AgreedUserError, UserError
 from paratrain.log import get_logger
-from paratrain.parallel.parallelize import build_parts
+from paratrain.parallel.parallelize import build_parts, build_teacher
 from paratrain.parallel.parts import ModelParts
 from paratrain.report.loggers import Loggers, TrackerIds
 from paratrain.report.metrics import MetricsWriter
@@ -90,7 +90,8 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
     optimizer = build_optimizer(parts, cfg, parts.replicas)
     counts = np.bincount(split.train.labels, minlength=len(split.classes))
     precision = precision_module.build(cfg, runtime)
-    recipe = build_recipe(cfg, parts, len(split.classes), precision, counts.tolist())
+    teacher = build_teacher(cfg, len(split.classes), runtime)  # --teacher
+    recipe = build_recipe(cfg, parts, len(split.classes), precision, counts.tolist(), teacher)
     recipe.precision.prepare(parts)  # after the EMA copy: it averages the model as built
     seed_everything(cfg.seed + 1000 * runtime.rank)  # model randomness (dropout) differs per rank
     loaders = make_loaders(

@@ -431,3 +431,37 @@ def check_weights_fit(
             f"{path}: its weights are not those of {name} with {classes} classes: "
             + "; ".join(told)
         )
+
+
+def build_teacher(cfg: TrainConfig, num_classes: int) -> nn.Module:
+    """--teacher with --teacher-weights, on the CPU, in eval mode and without gradients;
+    weights that are not exactly those of the teacher with the data's classes are one
+    line (a head of another class count said as such)."""
+    if cfg.teacher is None or cfg.teacher_weights is None:
+        raise UserError(
+            "--teacher needs --teacher-weights: a teacher of random weights teaches nothing"
+        )
+    teacher = create_model(cfg.teacher, num_classes, cfg.train_size)
+    weights = cfg.teacher_weights
+    if looks_like_file(weights):
+        state, label = read_state_dict(weights), weights
+    else:
+        named = pretrained.resolve(cfg.teacher, weights)
+        state = pretrained.adapt(read_state_dict(named.fetch()), teacher)
+        label = named.label
+    head = classifier_head(teacher, cfg.teacher)
+    outputs = [v.shape[0] for k, v in state.items() if k.startswith(head + ".") and v.ndim >= 1]
+    if outputs and outputs[-1] != num_classes:
+        raise UserError(
+            f"--teacher-weights {label}: its head has {outputs[-1]} outputs and the data "
+            f"{num_classes} classes; a teacher must have been trained on the same classes"
+        )
+    report = load_weights(teacher, state, strict=False, source=label)
+    if not report.exact:
+        first = report.skipped[0][0] if report.skipped else report.missing[0]
+        raise UserError(
+            f"--teacher-weights {label}: not the weights of {cfg.teacher} ({len(report.skipped)} "
+            f"left out, {len(report.missing)} missing; first: {first})"
+        )
+    teacher.eval().requires_grad_(False)
+    return teacher

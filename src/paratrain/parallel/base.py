@@ -40,11 +40,12 @@ class DeviceMemory:
     optimizer: int
     activations: int
     detail: str = ""
+    teacher: int = 0  # --teacher's weights on this device (its forward saves nothing)
 
     @property
     def total(self) -> int:
         """Bytes per device in all."""
-        return self.parameters + self.gradients + self.optimizer + self.activations
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.teacher
 
 
 @dataclass
@@ -98,6 +99,7 @@ FEATURES = {
     "grad_compression": ("--grad-compression", lambda cfg: cfg.grad_compression != "none"),
     "sync_bn": ("--sync-bn", lambda cfg: cfg.sync_bn),
     "fp16": ("--precision 16-mixed", lambda cfg: cfg.precision == "16-mixed"),
+    "teacher": ("--teacher", lambda cfg: cfg.teacher is not None),
 }
 
 
@@ -195,6 +197,15 @@ class Strategy:
     def wrap(self, model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> ModelParts:
         """The model placed, wrapped, sharded or staged."""
         raise NotImplementedError
+
+    def place_teacher(self, teacher: nn.Module, cfg: TrainConfig, runtime: Runtime) -> nn.Module:
+        """--teacher placed where the student's inputs are: a whole copy on this rank's
+        device (a strategy that shards its model shards the teacher too)."""
+        return teacher.to(runtime.device)
+
+    def teacher_bytes(self, teacher: int, devices: int) -> int:
+        """What the teacher's ``teacher`` parameter bytes take on one device."""
+        return teacher
 
 
 def whole_model_memory(name: str, profile: MemoryProfile, detail: str) -> DeviceMemory:

@@ -182,7 +182,7 @@ class FSDP(Strategy):
     fewer_hint = "in one process use --strategy ddp"
     min_devices = 2
     speed_order = 1
-    takes = frozenset({"sync_bn"})
+    takes = frozenset({"sync_bn", "teacher"})
     torch_apis = ("DTensor", "fully_shard", "init_device_mesh")
 
     def layout(self, cfg: TrainConfig, world: int, rank: int = 0, per_node: int = 0) -> Layout:
@@ -233,6 +233,23 @@ class FSDP(Strategy):
         fully_shard(model, mesh=mesh, mp_policy=precision.of(model))
         _materialise(model, full, runtime)
         return FSDPParts(model, full_names, runtime, layout)
+
+    def place_teacher(self, teacher: nn.Module, cfg: TrainConfig, runtime: Runtime) -> nn.Module:
+        """The teacher sharded as the student is, block by block over the same ranks: each
+        rank keeps 1/N of it and gathers a block for its forward (every rank loaded the
+        same weights, so each shard is its share of them)."""
+        from torch.distributed.fsdp import fully_shard
+
+        teacher = teacher.to(runtime.device)
+        mesh = self.mesh(runtime, self.layout(cfg, runtime.world_size, runtime.rank,
+                                              runtime.env.local_world_size))  # fmt: skip
+        for block in blocks(teacher):
+            fully_shard(block, mesh=mesh)
+        fully_shard(teacher, mesh=mesh)
+        return teacher
+
+    def teacher_bytes(self, teacher: int, devices: int) -> int:
+        return -(-teacher // devices)
 
 
 def _bytes(module: nn.Module) -> int:

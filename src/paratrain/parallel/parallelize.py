@@ -41,6 +41,22 @@ def build_parts(cfg: TrainConfig, classes: int, runtime: Runtime) -> ModelParts:
     return parallelize(model, cfg, runtime)
 
 
+def build_teacher(cfg: TrainConfig, classes: int, runtime: Runtime) -> nn.Module | None:
+    """--teacher with its weights, placed by the strategy (a copy on every rank, or
+    sharded as the student is); None without one. Its weights not fitting the teacher
+    and the data's classes fail on every rank alike."""
+    if cfg.teacher is None:
+        return None
+    from paratrain.errors import AgreedUserError, UserError
+    from paratrain.models.registry import build_teacher as built
+
+    try:
+        teacher = built(cfg, classes)
+    except UserError as exc:
+        raise AgreedUserError(str(exc)) from None
+    return get(cfg.strategy).place_teacher(teacher, cfg, runtime)
+
+
 def parallelize(model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> ModelParts:
     """The model placed, wrapped, sharded or staged as ``cfg.strategy`` says."""
     if runtime.device.type == "cpu":

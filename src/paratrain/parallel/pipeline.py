@@ -94,7 +94,7 @@ class PipelineParts(ModelParts):
         self,
         images: torch.Tensor,
         targets: torch.Tensor,
-        criterion: nn.Module,
+        criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         precision: StepPrecision,
         divisor: int,
         lap: Callable[[str], None] | None = None,

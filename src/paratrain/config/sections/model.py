@@ -70,3 +70,41 @@ class ModelSettings:
         resume="fixed",
         resume_why="its optimizer's parameter groups follow it",
     )
+    teacher: str | None = setting(
+        None,
+        "a trained model the run learns from as well as from the labels (knowledge "
+        "distillation): a model name, as --model; it runs in eval mode, without gradients, "
+        "in the run's precision (replicated under ddp, sharded under fsdp)",
+        group="model",
+        pattern=r"[A-Za-z0-9_./-]+",
+        pattern_text="a model name (see `paratrain models`)",
+        metavar="MODEL",
+        resume="fixed",
+        resume_why="the run learnt from that teacher",
+    )
+    teacher_weights: str | None = setting(
+        None,
+        "the teacher's weights: a paratrain checkpoint or weights file, or a name as "
+        "--weights takes; they must fit the teacher with the data's classes exactly",
+        group="model",
+        path="weights",
+        metavar="NAME|FILE",
+        resume="fixed",
+        resume_why="the run learnt from those weights",
+    )
+    kd_alpha: float = setting(
+        0.5,
+        "the distillation share of the loss: (1 - a) x the labels' cross-entropy + a x T^2 "
+        "x KL(teacher || student) at --kd-temperature T",
+        group="model",
+        low=0.0,
+        high=1.0,
+    )
+    kd_temperature: float = setting(
+        4.0,
+        "softens the teacher's and the student's distributions for distillation",
+        group="model",
+        low=0.0,
+        low_open=True,
+        high=100.0,
+    )

@@ -48,8 +48,23 @@ def preflight(cfg: TrainConfig, world: int) -> None:
         from paratrain.models.registry import fetch_weights
 
         fetch_weights(cfg.model, cfg.weights)
+    if cfg.teacher is not None and not source.sharded:
+        check_teacher(cfg, len(listing.classes))
     check_devices(cfg, world)
     check_model_input(cfg, world)
+
+
+def check_teacher(cfg: TrainConfig, classes: int) -> None:
+    """--teacher built once here, its weights read (fetched where named) and fitted to
+    the data's classes, so that a wrong one is one line before any worker starts."""
+    from paratrain.models.registry import build_teacher
+
+    if cfg.teacher_weights is None:
+        raise UserError(
+            f"--teacher {cfg.teacher} needs --teacher-weights: a teacher of random weights "
+            "teaches nothing"
+        )
+    build_teacher(cfg, classes)
 
 
 def check_settings(cfg: TrainConfig, world: int | None, model: bool = False) -> None:

@@ -21,6 +21,7 @@ from paratrain.engine.run.precision import Precision
 from paratrain.engine.run.schedule import peak_lr
 from paratrain.errors import AgreedUserError
 from paratrain.log import get_logger
+from paratrain.models.registry import logits_of
 from paratrain.parallel import optim_state
 from paratrain.parallel.parts import ModelParts
 
@@ -36,6 +37,14 @@ class Recipe:
     grad_accum: int = 1
     clip_grad: float | None = None
     freezing: Freezing | None = None  # --freeze-epochs
+    teacher: Distiller | None = None  # --teacher
+
+    def criterion_for(self, images: torch.Tensor) -> Callable:
+        """The loss of a micro-batch of ``images``: the criterion, or with a teacher the
+        criterion mixed with the distillation loss against the teacher's logits."""
+        if self.teacher is None:
+            return self.criterion
+        return self.teacher.criterion(images, self.criterion, self.precision)
 
     def start_epoch(self, epoch: int) -> None:
         """--freeze-epochs: frozen or not for ``epoch`` (said where the backbone thaws)."""
@@ -67,6 +76,33 @@ class Recipe:
                 get_logger().warning(
                     "the checkpoint holds no EMA weights: the average starts from the resumed ones"
                 )
+
+
+class Distiller:
+    """--teacher: the loss is ``(1 - alpha)`` x the criterion on the labels plus
+    ``alpha x T^2`` x KL(teacher || student) at temperature T (Hinton et al.; T^2 keeps
+    the soft loss's gradients at the hard one's scale). The teacher runs in eval mode,
+    without gradients, in the run's precision."""
+
+    def __init__(self, module: nn.Module, alpha: float, temperature: float):
+        self.module, self.alpha, self.temperature = module, alpha, temperature
+
+    def criterion(self, images: torch.Tensor, base: Callable, precision: Precision) -> Callable:
+        with torch.no_grad(), precision.autocast():
+            taught = logits_of(self.module(images)).float()
+        alpha, temperature = self.alpha, self.temperature
+
+        def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            hard = base(logits, targets)
+            soft = nn.functional.kl_div(
+                nn.functional.log_softmax(logits.float() / temperature, dim=1),
+                nn.functional.log_softmax(taught.to(logits.device) / temperature, dim=1),
+                log_target=True,
+                reduction="batchmean",
+            )
+            return (1 - alpha) * hard + alpha * temperature**2 * soft
+
+        return loss
 
 
 class Freezing:
@@ -121,10 +157,16 @@ def build_recipe(
     num_classes: int,
     precision: Precision,
     class_counts: Sequence[int] | None = None,
+    teacher: nn.Module | None = None,
 ) -> Recipe:
     """The recipe of ``cfg``: criterion, precision, MixUp/CutMix, EMA, accumulation,
-    clipping; ``class_counts``: the training images of each class (--balance loss)."""
+    clipping; ``class_counts``: the training images of each class (--balance loss);
+    ``teacher``: --teacher, placed by the strategy."""
+    distiller = (
+        Distiller(teacher, cfg.kd_alpha, cfg.kd_temperature) if teacher is not None else None
+    )
     return Recipe(
+        teacher=distiller,
         criterion=build_criterion(cfg, class_counts).to(parts.output_device),
         precision=precision,
         mixer=build_mixer(cfg, num_classes),

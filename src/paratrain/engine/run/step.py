@@ -101,8 +101,9 @@ def _micro_steps(
             images, targets = recipe.mixer(images, labels)
         local = micro < count - 1 or not sync
         with parts.no_sync() if local else contextlib.nullcontext():
+            criterion = recipe.criterion_for(images)  # with --teacher, its logits first
             loss, logits = parts.forward_backward(
-                images, targets, recipe.criterion, recipe.precision, recipe.grad_accum, lap
+                images, targets, criterion, recipe.precision, recipe.grad_accum, lap
             )
         images_seen += labels.numel()
         if loss is not None and logits is not None:  # a pipeline's last stage alone has them
