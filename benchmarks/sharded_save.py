@@ -27,11 +27,11 @@ from paratrain.config import TrainConfig
 from paratrain.distributed import comm
 from paratrain.distributed.env import detect
 from paratrain.distributed.runtime import Runtime
-from paratrain.parallel import sharded
-from paratrain.engine.checkpointing.checkpoint import save_atomic
 from paratrain.engine.run.precision import Precision
 from paratrain.engine.run.recipe import build_optimizer
 from paratrain.models.registry import build_model
+from paratrain.parallel import sharded
+from paratrain.parallel.checkpoint_io import save_atomic
 from paratrain.parallel.parallelize import parallelize
 
 CLASSES, SIZE, BATCH = 10, 32, 4
