@@ -59,7 +59,7 @@ def test_the_prefix_decides_before_any_folder(tmp_path):
     assert names_a_source("csv:x.csv") and names_a_source("wds:a.tar")
     assert not names_a_source(str(data))
     check_paths(TrainConfig(data="csv:nowhere.csv"))  # the source checks it, not the schema
-    with pytest.raises(UserError, match="no such file"):
+    with pytest.raises(UserError, match="labels file not found"):
         open_source(f"csv:{tmp_path}/nowhere.csv")
 
 
@@ -112,3 +112,68 @@ def test_a_csv_split_column_with_another_word_is_refused(tmp_path):
     (tmp_path / "l.csv").write_text("file,label,split\na.png,cat,train\na.png,dog,holdout\n")
     with pytest.raises(UserError, match=r"row 3: split 'holdout' is not train or val"):
         open_source(f"csv:{tmp_path}/l.csv").listing()
+
+
+def _listed(tmp_path, name: str, text: str, root=None):
+    for image in ("a.png", "b.png", "c.png"):
+        (tmp_path / image).write_bytes(b"")
+    (tmp_path / name).write_text(text)
+    return open_source(str(root or tmp_path), labels=tmp_path / name).listing()
+
+
+def test_labels_beside_a_folder_in_csv_json_lines_or_one_hot_columns(tmp_path):
+    data = make_csv_listing(tmp_path / "set", classes=3, per_class=8)
+    moved = tmp_path / "labels.csv"
+    data.rename(moved)  # the file elsewhere: paths stay relative to --data
+    split = build_split(open_source(str(tmp_path / "set"), labels=moved))
+    assert split.layout == "given" and (len(split.train), len(split.val)) == (18, 6)
+    assert load_rgb(split.val.keys[0], None, split.val.source).size == (40, 30)
+    jsonl = _listed(
+        tmp_path, "l.jsonl",
+        '{"image": "a.png", "label": "cat", "split": "train"}\n\n'
+        '{"path": "b.png", "class": "dog", "split": "train"}\n'
+        '{"file": "c.png", "labels": ["dog"], "split": "val"}\n',
+    )  # fmt: skip
+    assert jsonl.classes == ["cat", "dog"] and jsonl.samples.labels.tolist() == [0, 1, 1]
+    assert jsonl.sides.tolist() == [0, 0, 1]
+    hot = _listed(tmp_path, "h.csv", "image,cat,dog\na.png,1,0\nb.png,0,1\nc.png,0,1\n")
+    assert hot.classes == ["cat", "dog"] and hot.samples.labels.tolist() == [0, 1, 1]
+    assert hot.sides is None  # no split column: split here
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "says"),
+    [
+        ("m.csv", "image,cat,dog\na.png,1,0\nb.png,1,1\n", r"row 3: several classes \(cat;dog\)"),
+        ("m.csv", "image,label\na.png,cat\nb.png,cat;dog\n", r"row 3: several classes"),
+        ("n.csv", "image,cat,dog\na.png,1,0\nb.png,0,0\n", r"row 3: no class for b\.png"),
+        ("o.csv", "image,cat,dog\na.png,1,0\nb.png,2,0\n", r"row 3: the class columns hold"),
+        ("u.csv", "image,label,split\na.png,cat,train\nb.png,dog,train\nc.png,cow,val\n",
+         r"row 4: class 'cow' is in no training row"),
+        ("j.jsonl", '{"image": "a.png", "label": "cat"}\n[1, 2]\n', r"row 2: not a JSON object"),
+        ("x.txt", "a.png cat\n", r"--labels .*x\.txt: a labels file is one of \.csv, \.jsonl"),
+    ],
+)  # fmt: skip
+def test_a_bad_labels_file_is_one_line_naming_the_row(tmp_path, name, text, says):
+    with pytest.raises(UserError, match=says):
+        _listed(tmp_path, name, text)
+
+
+def test_labels_need_a_folder_of_images(tmp_path):
+    (tmp_path / "l.csv").write_text("image,label\na.png,cat\n")
+    with pytest.raises(UserError, match="--labels names images in a folder"):
+        open_source(f"csv:{tmp_path}/l.csv", labels=tmp_path / "l.csv")
+
+
+def test_a_run_trains_from_a_labels_file_and_resumes_with_its_split(tmp_path):
+    from paratrain import TrainConfig, train
+
+    listing = make_csv_listing(tmp_path / "set", classes=3, per_class=8, split=False)
+    common = dict(
+        data=str(tmp_path / "set"), labels=str(listing), model="resnet18", image_size=16,
+        batch_size=4, workers=0, output_dir=str(tmp_path / "runs"), name="l",
+    )  # fmt: skip
+    train(TrainConfig(**common, epochs=1))
+    summary = train(TrainConfig(**common, epochs=2, resume="auto"))
+    assert summary["epochs"] == 2 and summary["final"]["val_count"] == 6  # 2 of 8 a class
+    assert (tmp_path / "runs/l/split.npz").is_file()  # split here, recorded, kept on resume

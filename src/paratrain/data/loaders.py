@@ -106,6 +106,7 @@ def source_of(cfg: TrainConfig) -> Source:
         cfg.val_split,
         cfg.image_column,
         cfg.label_column,
+        cfg.labels,
     )
 
 

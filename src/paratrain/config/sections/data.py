@@ -41,6 +41,17 @@ class DataSettings:
         resume="fixed",
         resume_why="the train/val split would change",
     )
+    labels: str | None = setting(
+        None,
+        "a labels file naming --data's images and their classes: CSV (an image path and a "
+        "class a row, or 0/1 columns one per class) or JSON lines; paths relative to --data, "
+        "a split column (train/val) optional",
+        group="data",
+        path="file",
+        metavar="FILE",
+        resume="fixed",
+        resume_why="the classes and the split come from it",
+    )
     image_column: str | None = setting(
         None,
         "the dataset column holding the images (hf: and dataset folders)",

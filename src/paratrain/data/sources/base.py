@@ -182,16 +182,19 @@ class SourceOptions:
     val_split: str | None = None  # the split (or shards) to validate on
     image_column: str | None = None
     label_column: str | None = None
+    labels: Path | None = None  # --labels: a file naming --data's images and classes
 
 
 @dataclass(frozen=True)
 class SourceKind:
     """A module's declaration of its source: ``--data PREFIX...`` opens it, as does a local
-    folder that ``claims`` recognises (None: none); ``open`` makes the source."""
+    folder that ``claims`` recognises (None: none), or ``--labels`` with a file of one of
+    the ``labels`` suffixes; ``open`` makes the source."""
 
     open: Callable[[str, SourceOptions], Source]
     prefix: str | None = None
     claims: Callable[[Path], bool] | None = None
+    labels: tuple[str, ...] = ()
 
 
 def kind(name: str) -> SourceKind:
@@ -219,11 +222,22 @@ def open_source(
     val_split: str | None = None,
     image_column: str | None = None,
     label_column: str | None = None,
+    labels: str | Path | None = None,
 ) -> Source:
-    """The source ``--data`` names: by its prefix, else the first kind (in the registry's
-    order) that claims the folder."""
-    options = SourceOptions(cache_dir, data_split, val_split, image_column, label_column)
+    """The source ``--data`` names: with ``labels`` (--labels FILE) the kind that reads
+    that file, over the folder; else by its prefix, else the first kind (in the
+    registry's order) that claims the folder."""
+    listed = Path(labels).expanduser() if labels is not None else None
+    options = SourceOptions(cache_dir, data_split, val_split, image_column, label_column, listed)
     kinds = [kind(name) for name in SOURCES]
+    if listed is not None:
+        reader = next((k for k in kinds if listed.suffix.lower() in k.labels), None)
+        if reader is None:
+            takes = sorted({s for k in kinds for s in k.labels})
+            raise UserError(f"--labels {labels}: a labels file is one of {', '.join(takes)}")
+        if not Path(data).expanduser().is_dir():
+            raise UserError(f"--data {data}: --labels names images in a folder, and this is none")
+        return reader.open(str(Path(data).expanduser()), options)
     for each in kinds:
         if each.prefix and data.startswith(each.prefix):
             return each.open(data, options)

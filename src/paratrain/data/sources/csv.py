@@ -1,16 +1,25 @@
-"""Images listed in a CSV file: ``csv:FILE.csv``, a header, then one row per image: its
-path (relative to the file's folder, or absolute) and its class, as many collections
-ship them. The columns are found by name (``image``/``path``/``file``/``filename``/``id``
-and ``label``/``class``/``target``/``category``), else the first two. A ``split`` column
-(``train``/``val``) gives the split; without one it is made here. A key is a file's path.
-A row that names no file on disk, or has no class, stops the listing with its row
-number.
+"""Images listed in a labels file, as Kaggle and many in-house sets ship them:
+``--data csv:FILE.csv`` (paths relative to the file's folder), or ``--data DIR --labels
+FILE.csv|.jsonl`` (paths relative to DIR). A row names an image and its class:
+
+* CSV: a header, then the image's path and its class; the columns are found by name
+  (``image``/``path``/``file``/``filename``/``id`` and ``label``/``class``/``target``/
+  ``category``), else the first two; or, in place of the class, one 0/1 column per class
+  (the header names the classes), exactly one 1 a row;
+* JSON lines: an object a line with the same keys.
+
+A ``split`` column (``train``/``val``) gives the split; without one it is made here. A row
+that names no file on disk, has no class, several (one class a row: multi-label data is
+not trained yet), or a validation class that no training row has, stops the listing with
+one line naming the file and the row. A key is a file's path.
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,13 +30,17 @@ from paratrain.errors import UserError
 
 PREFIX = "csv:"
 IMAGE_COLUMNS = ("image", "path", "file", "filename", "id")
-LABEL_COLUMNS = ("label", "class", "target", "category")
+LABEL_COLUMNS = ("label", "labels", "class", "target", "category")
 SIDES = {"train": 0, "val": 1, "valid": 1, "validation": 1}
+SEVERAL = (";", "|")  # what separates several labels in one cell
 
 
-def _column(header: list[str], names: tuple[str, ...], fallback: int) -> int:
-    lowered = [h.strip().lower() for h in header]
-    return next((lowered.index(n) for n in names if n in lowered), fallback)
+@dataclass
+class _Row:
+    number: int
+    path: str
+    label: str
+    side: str
 
 
 def class_order(names: set[str]) -> list[str]:
@@ -35,23 +48,52 @@ def class_order(names: set[str]) -> list[str]:
     return sorted(names, key=lambda c: (0, int(c), "") if c.isdigit() else (1, 0, c))
 
 
-class CsvSource(Source):
-    """The images a CSV file lists, with their classes."""
+def _column(header: list[str], names: tuple[str, ...], fallback: int) -> int:
+    lowered = [h.strip().lower() for h in header]
+    return next((lowered.index(n) for n in names if n in lowered), fallback)
 
-    def __init__(self, spec: str):
-        self.name = spec
-        self.file = Path(spec[len(PREFIX) :]).expanduser()
+
+class CsvSource(Source):
+    """The images a labels file lists, with their classes."""
+
+    def __init__(self, file: str | Path, root: str | Path | None = None, name: str = ""):
+        self.file = Path(file).expanduser()
+        self.root = Path(root).expanduser() if root is not None else self.file.parent
+        self.name = name or str(self.file)
         if not self.file.is_file():
-            raise UserError(f"--data {spec}: no such file {self.file}")
+            raise UserError(f"labels file not found: {self.file}")
 
     def identity(self) -> str:
-        return f"csv:{self.file.resolve()}"
+        return f"csv:{self.file.resolve()}:{self.root.resolve()}"
 
     def open(self, key: str) -> str:
         return key
 
-    def _rows(self) -> tuple[list[tuple[int, str, str, str]], bool]:
-        """(row number, path, class, side) of every row, and whether a split is given."""
+    def _where(self, number: int) -> str:
+        return f"{self.file}, row {number}"
+
+    def _rows(self) -> tuple[list[_Row], bool]:
+        """Every row (blank lines are no rows), and whether a split is given."""
+        rows = self._json_rows() if self.file.suffix.lower() == ".jsonl" else self._csv_rows()
+        if not rows:
+            raise UserError(f"{self.file}: lists no image")
+        for row in rows:
+            if row.side not in SIDES:
+                raise UserError(
+                    f"{self._where(row.number)}: split {row.side!r} is not train or val"
+                )
+            if not row.path:
+                raise UserError(f"{self._where(row.number)}: no image path")
+            if not row.label:
+                raise UserError(f"{self._where(row.number)}: no class for {row.path}")
+            if any(mark in row.label for mark in SEVERAL):
+                raise UserError(
+                    f"{self._where(row.number)}: several classes ({row.label}) for "
+                    f"{row.path}; one class a row (multi-label data is not trained yet)"
+                )
+        return rows, self._split_given
+
+    def _csv_rows(self) -> list[_Row]:
         with open(self.file, newline="", encoding="utf-8-sig") as handle:
             reader = csv.reader(handle)
             header = next(reader, None)
@@ -60,57 +102,86 @@ class CsvSource(Source):
                     f"{self.file}: needs a header and two columns (an image path, a class)"
                 )
             image = _column(header, IMAGE_COLUMNS, 0)
-            label = _column(header, LABEL_COLUMNS, 1 if image == 0 else 0)
             split = _column(header, ("split",), -1)
+            self._split_given = split >= 0
+            label = _column(header, LABEL_COLUMNS, -1)
+            flags = [i for i in range(len(header)) if i not in (image, split)]
+            if label < 0 and len(flags) == 1:
+                label = flags[0]
             rows = []
-            for number, row in enumerate(reader, start=2):
-                if not any(cell.strip() for cell in row):
-                    continue  # a blank line is no row
-                cells = [c.strip() for c in row] + [""] * len(header)
+            for number, cells in enumerate(reader, start=2):
+                if not any(cell.strip() for cell in cells):
+                    continue
+                cells = [c.strip() for c in cells] + [""] * len(header)
+                text = cells[label] if label >= 0 else self._one_hot(header, flags, cells, number)
                 side = cells[split].lower() if split >= 0 else "train"
-                if side not in SIDES:
-                    raise UserError(
-                        f"{self.file}, row {number}: split {side!r} is not train or val"
-                    )
-                if not cells[image]:
-                    raise UserError(f"{self.file}, row {number}: no image path")
-                if not cells[label]:
-                    raise UserError(f"{self.file}, row {number}: no class for {cells[image]}")
-                rows.append((number, cells[image], cells[label], side))
-        if not rows:
-            raise UserError(f"{self.file}: lists no image")
-        return rows, split >= 0
+                rows.append(_Row(number, cells[image], text, side))
+        return rows
+
+    def _one_hot(self, header: list[str], flags: list[int], cells: list[str], number: int) -> str:
+        """The class of a row of 0/1 columns, one per class: the one column set."""
+        if any(cells[i] not in ("0", "1", "") for i in flags):
+            raise UserError(f"{self._where(number)}: the class columns hold other than 0 and 1")
+        named = [header[i].strip() for i in flags if cells[i] == "1"]
+        return ";".join(named)
+
+    def _json_rows(self) -> list[_Row]:
+        rows = []
+        self._split_given = False
+        with open(self.file, encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    raise UserError(f"{self._where(number)}: not a JSON object") from None
+                if not isinstance(record, dict):
+                    raise UserError(f"{self._where(number)}: not a JSON object")
+                path = next((record[k] for k in IMAGE_COLUMNS if k in record), "")
+                label = next((record[k] for k in LABEL_COLUMNS if k in record), "")
+                if isinstance(label, list):
+                    label = ";".join(str(v) for v in label)
+                self._split_given = self._split_given or "split" in record
+                side = str(record.get("split", "train")).lower()
+                rows.append(_Row(number, str(path).strip(), str(label).strip(), side))
+        return rows
 
     def list_entries(self, node: int = 0, nodes: int = 1) -> Listing:
         rows, given = self._rows()
-        classes = class_order({label for _, _, label, _ in rows})
+        classes = class_order({row.label for row in rows if SIDES[row.side] == 0})
         if len(classes) < 2:
             raise UserError(f"{self.file}: one class ({classes[0]}); a classifier needs 2")
         index = {name: i for i, name in enumerate(classes)}
-        folder = self.file.parent
         keys, sizes, versions = [], [], []
-        for number, path, _, _ in rows:
-            full = os.path.join(folder, os.path.expanduser(path))
+        for row in rows:
+            if row.label not in index:
+                raise UserError(
+                    f"{self._where(row.number)}: class {row.label!r} is in no training row"
+                )
+            full = os.path.join(self.root, os.path.expanduser(row.path))
             try:
                 info = os.stat(full)
             except OSError:
-                raise UserError(f"{self.file}, row {number}: no image file {full}") from None
+                raise UserError(f"{self._where(row.number)}: no image file {full}") from None
             keys.append(full)
             sizes.append(info.st_size)
             versions.append(info.st_mtime_ns)
         samples = Samples(
             PackedStrings.of(keys),
-            np.array([index[label] for _, _, label, _ in rows], np.int32),
+            np.array([index[row.label] for row in rows], np.int32),
             self,
             np.array(sizes, np.int64),
             np.array(versions, np.int64),
         )
-        sides = np.array([SIDES[side] for *_, side in rows], np.int8)
+        sides = np.array([SIDES[row.side] for row in rows], np.int8)
         return Listing(classes, samples, sides if given else None, "given" if given else "split")
 
 
 def _open(data: str, options: SourceOptions) -> CsvSource:
-    return CsvSource(data)
+    if options.labels is not None:  # --data DIR --labels FILE
+        return CsvSource(options.labels, data, name=f"{data} (labels {options.labels})")
+    return CsvSource(data[len(PREFIX) :], name=data)
 
 
-SOURCE = SourceKind(open=_open, prefix=PREFIX)
+SOURCE = SourceKind(open=_open, prefix=PREFIX, labels=(".csv", ".jsonl"))
