@@ -74,11 +74,8 @@ def estimate(
     rows = [row for name in STRATEGIES if (row := strategy_of(name).memory(profile)) is not None]
     if teacher is not None:
         weights = sum(p.numel() * 4 for p in teacher.parameters())
-        rows = [
-            replace(row, teacher=strategy_of(row.strategy).teacher_bytes(weights, devices))
-            for row in rows
-            if "teacher" in strategy_of(row.strategy).takes
-        ]
+        placed = [(row, strategy_of(row.strategy).teacher_bytes(weights, devices)) for row in rows]
+        rows = [replace(row, teacher=size) for row, size in placed if size is not None]
     return sorted(rows, key=lambda row: strategy_of(row.strategy).speed_order)
 
 

@@ -203,9 +203,10 @@ class Strategy:
         device (a strategy that shards its model shards the teacher too)."""
         return teacher.to(runtime.device)
 
-    def teacher_bytes(self, teacher: int, devices: int) -> int:
-        """What the teacher's ``teacher`` parameter bytes take on one device."""
-        return teacher
+    def teacher_bytes(self, teacher: int, devices: int) -> int | None:
+        """What the teacher's ``teacher`` parameter bytes take on one device; None where
+        this strategy takes no teacher."""
+        return teacher if "teacher" in self.takes else None
 
 
 def whole_model_memory(name: str, profile: MemoryProfile, detail: str) -> DeviceMemory:

@@ -248,7 +248,7 @@ class FSDP(Strategy):
         fully_shard(teacher, mesh=mesh)
         return teacher
 
-    def teacher_bytes(self, teacher: int, devices: int) -> int:
+    def teacher_bytes(self, teacher: int, devices: int) -> int | None:
         return -(-teacher // devices)
 
 

@@ -33,6 +33,7 @@ IMAGE_COLUMNS = ("image", "path", "file", "filename", "id")
 LABEL_COLUMNS = ("label", "labels", "class", "target", "category")
 SIDES = {"train": 0, "val": 1, "valid": 1, "validation": 1}
 SEVERAL = (";", "|")  # what separates several labels in one cell
+SIDE = "split"  # the column (or key) that gives each row its side
 
 
 @dataclass
@@ -102,7 +103,7 @@ class CsvSource(Source):
                     f"{self.file}: needs a header and two columns (an image path, a class)"
                 )
             image = _column(header, IMAGE_COLUMNS, 0)
-            split = _column(header, ("split",), -1)
+            split = _column(header, (SIDE,), -1)
             self._split_given = split >= 0
             label = _column(header, LABEL_COLUMNS, -1)
             flags = [i for i in range(len(header)) if i not in (image, split)]
@@ -142,8 +143,8 @@ class CsvSource(Source):
                 label = next((record[k] for k in LABEL_COLUMNS if k in record), "")
                 if isinstance(label, list):
                     label = ";".join(str(v) for v in label)
-                self._split_given = self._split_given or "split" in record
-                side = str(record.get("split", "train")).lower()
+                self._split_given = self._split_given or SIDE in record
+                side = str(record.get(SIDE, "train")).lower()
                 rows.append(_Row(number, str(path).strip(), str(label).strip(), side))
         return rows
 

@@ -172,6 +172,8 @@ def migrate(raw: dict[str, Any], source: str = "checkpoint") -> dict[str, Any]:
             "rng": values.pop("rng", None),
         }
         values["score"] = values.pop("val_top1", None)
+        # what such a run trained with, before --balance and --monitor auto existed
+        values["config"] = {"balance": "none", "monitor": monitor, **(values.get("config") or {})}
     values["format"] = FORMAT
     values["config"] = migrate_settings(values.get("config") or {}, source, saved=True)
     return values
@@ -338,8 +340,8 @@ def check_resumable(
     fixed, order, changed = [], [], []
     for s in settings(TrainConfig):
         old, new = getattr(saved, s.name), getattr(cfg, s.name)
-        if old == new or s.rule.resume == "quiet":
-            continue
+        if old == new or s.rule.resume == "quiet" or new == "auto":
+            continue  # auto: decided from the data at the run's start, and compared then
         if s.rule.resume == "fixed":
             fixed.append(f"{s.flag} {new} but the checkpoint has {old} ({s.rule.resume_why})")
         elif s.rule.resume == "fixed_mid_epoch" and mid_epoch:
