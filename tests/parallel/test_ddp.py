@@ -123,10 +123,24 @@ def odd_validation_set(tmp_path_factory):
     return str(data), str(weights)
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_evaluation_counts_every_image_once_and_matches_one_process(odd_validation_set, world):
+@pytest.fixture(scope="module")
+def one_process(odd_validation_set) -> dict:
+    """The 1-process evaluation every world size is compared with: at 16 px; at 24 px
+    with flip averaging, and without it."""
     data, weights = odd_validation_set
-    reference = in_single_process(_evaluate, data, weights)
+    return {
+        "plain16": in_single_process(_evaluate, data, weights),
+        "flip24": in_single_process(_evaluate, data, weights, 24, True),
+        "plain24": in_single_process(_evaluate, data, weights, 24, False),
+    }
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_evaluation_counts_every_image_once_and_matches_one_process(
+    odd_validation_set, one_process, world
+):
+    data, weights = odd_validation_set
+    reference = one_process["plain16"]
     assert reference["count"] == 1001
     results = run_distributed(_evaluate, world, data, weights)
     for result in results:
@@ -134,12 +148,13 @@ def test_evaluation_counts_every_image_once_and_matches_one_process(odd_validati
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_flip_averaging_at_a_higher_resolution_counts_every_image_once(odd_validation_set, world):
+def test_flip_averaging_at_a_higher_resolution_counts_every_image_once(
+    odd_validation_set, one_process, world
+):
     """--tta flip and a validation size above training's (--val-size): still every
     image once, and the same totals at every world size."""
     data, weights = odd_validation_set
-    reference = in_single_process(_evaluate, data, weights, 24, True)
-    plain = in_single_process(_evaluate, data, weights, 24, False)
+    reference, plain = one_process["flip24"], one_process["plain24"]
     assert reference["count"] == plain["count"] == 1001
     assert reference["loss"] != plain["loss"]  # the mirrors' logits were averaged in
     results = (
