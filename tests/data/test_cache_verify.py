@@ -21,7 +21,7 @@ from imagefolders import make_image_folder
 from paratrain.data.cache import verify as cache_module
 from paratrain.data.cache.base import MANIFEST
 from paratrain.data.cache.build import prepare
-from paratrain.data.cache.verify import agree_intact
+from paratrain.data.cache.read import agree_intact
 from paratrain.data.folder import build_split
 from paratrain.errors import AgreedUserError, UserError
 from paratrain.log import get_logger

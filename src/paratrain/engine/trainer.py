@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 
 from paratrain.config import TrainConfig
-from paratrain.data.cache.verify import agree_intact
+from paratrain.data.cache.read import agree_intact
 from paratrain.distributed import comm
 from paratrain.distributed.env import DistEnv
 from paratrain.distributed.runtime import Runtime

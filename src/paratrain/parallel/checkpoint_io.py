@@ -1,5 +1,5 @@
-"""How a strategy's checkpoint reaches the disk: its parts decide (``ModelParts.
-checkpoint_io``), so nothing above asks which strategy ran.
+"""How a strategy's checkpoint reaches the disk: its parts decide (``io_for``: whether
+their state is spread over ranks), so nothing above asks which strategy ran.
 
 * ``WHOLE``: rank 0 holds the whole state (the unwrapped model, the optimizer in the
   single-device layout every strategy shares) and writes one file, atomically
@@ -141,3 +141,9 @@ class ShardedIO(CheckpointIO):
         folder = sharded.find(path)
         assert folder is not None and state.optimizer_groups is not None
         sharded.load_into(folder, parts, optimizer, state.optimizer_groups)
+
+
+def io_for(parts: ModelParts) -> CheckpointIO:
+    """How ``parts``' checkpoint reaches the disk: each rank's shards where the state is
+    spread over ranks (``collective_state``), else one whole file."""
+    return ShardedIO() if parts.collective_state else WholeIO()

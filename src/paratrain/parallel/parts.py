@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from paratrain.models.registry import logits_of
-from paratrain.parallel.checkpoint_io import CheckpointIO, ShardedIO, WholeIO
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.optim_state import Grouping
 
@@ -87,12 +86,6 @@ class ModelParts(list):
         self.devices = list(devices)
         self.layout = layout or Layout()
         self.memory_format = memory_format
-
-    @property
-    def checkpoint_io(self) -> CheckpointIO:
-        """How this model's checkpoint reaches the disk: each rank's shards where the
-        state is spread over ranks (``collective_state``), else one whole file."""
-        return ShardedIO() if self.collective_state else WholeIO()
 
     @property
     def replicas(self) -> int:

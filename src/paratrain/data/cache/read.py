@@ -16,6 +16,8 @@ from paratrain.data.cache.base import MANIFEST, kind
 from paratrain.data.cache.verify import CacheCheck
 from paratrain.data.samples import Samples
 from paratrain.data.transforms import IMAGENET_MEAN, IMAGENET_STD, AugmentedSamples
+from paratrain.distributed import comm
+from paratrain.errors import AgreedUserError
 
 
 class DecodedCache:
@@ -96,6 +98,24 @@ class DecodedCache:
 
     def __getstate__(self) -> dict:  # loader workers open their own maps
         return {**self.__dict__, "_maps": {}, "check": None}
+
+
+def agree_intact(cache: DecodedCache | None, wait: bool = False) -> None:
+    """Every rank together: stop, named, when a node's background check found its cache
+    damaged (after removing that cache's manifest, so the next start rebuilds it).
+    ``wait``: for the checks to finish first (at the end of training)."""
+    if cache is None:
+        return
+    mine = cache.damage(wait)
+    if mine is not None:
+        (cache.directory / MANIFEST).unlink(missing_ok=True)
+        mine = f"{cache.directory}: {mine}"
+    found = [problem for problem in comm.all_gather_object(mine) if problem]
+    if found:
+        raise AgreedUserError(
+            f"the decoded-image cache is damaged: {found[0]}; its manifest is removed, so "
+            "the next start builds it again (resume from the last checkpoint)"
+        )
 
 
 class CachedImages(AugmentedSamples):

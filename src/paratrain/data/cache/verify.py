@@ -1,7 +1,7 @@
 """A cache's trust: the manifest written last (each file's size, a CRC-32 for every 64 MB
 block), the cheap checks a ready cache passes at start (manifest, index, sizes), and the
 blocks' checksums read in the background while training runs; damage stops the run,
-named, with the manifest removed so the next start builds it again (``agree_intact``).
+named, with the manifest removed so the next start builds it again (``read.agree_intact``).
 """
 
 from __future__ import annotations
@@ -11,15 +11,9 @@ import json
 import threading
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from paratrain.data.cache.base import BLOCK, CACHE_FORMAT, MANIFEST, kind
-from paratrain.distributed import comm
-from paratrain.errors import AgreedUserError
 from paratrain.files import write_atomic
-
-if TYPE_CHECKING:
-    from paratrain.data.cache.read import DecodedCache
 
 
 class CacheCheck(threading.Thread):
@@ -48,24 +42,6 @@ class CacheCheck(threading.Thread):
             except OSError as exc:
                 self.problem = f"{part['name']} cannot be read ({exc.strerror or exc})"
                 return
-
-
-def agree_intact(cache: DecodedCache | None, wait: bool = False) -> None:
-    """Every rank together: stop, named, when a node's background check found its cache
-    damaged (after removing that cache's manifest, so the next start rebuilds it).
-    ``wait``: for the checks to finish first (at the end of training)."""
-    if cache is None:
-        return
-    mine = cache.damage(wait)
-    if mine is not None:
-        (cache.directory / MANIFEST).unlink(missing_ok=True)
-        mine = f"{cache.directory}: {mine}"
-    found = [problem for problem in comm.all_gather_object(mine) if problem]
-    if found:
-        raise AgreedUserError(
-            f"the decoded-image cache is damaged: {found[0]}; its manifest is removed, so "
-            "the next start builds it again (resume from the last checkpoint)"
-        )
 
 
 def _checksums(path: Path) -> list[int]:

@@ -3,7 +3,7 @@ by the Checkpointer through the strategy's own I/O, read back by resume().
 
 A checkpoint (:class:`Checkpoint`) holds the unwrapped model and the optimizer (in the
 single-device layout every strategy shares), written and read by the model's
-``checkpoint_io`` (parallel/checkpoint_io.py: one whole file, or each rank's shards),
+``checkpoint_io.io_for`` (parallel/checkpoint_io.py: one whole file, or each rank's shards),
 and the run's other parts, each a ``Stateful`` (torch.distributed.checkpoint's shape,
 as torchtitan's CheckpointManager keeps them): where training stands, the best score and
 its monitor, the recipe's EMA weights and grad scaler, the schedule and the budget,
@@ -36,6 +36,7 @@ from paratrain.engine.run import faults
 from paratrain.engine.run.preempt import interrupts_deferred
 from paratrain.errors import AgreedUserError, UserError
 from paratrain.parallel import sharded
+from paratrain.parallel.checkpoint_io import io_for
 from paratrain.parallel.parts import ModelParts
 
 # 1: paratrain 0.1's flat dict (no "format" key); 2: typed parts; 3: the run's parts by
@@ -256,7 +257,7 @@ class Checkpointer:
         classes: list[str],
     ):
         self.cfg, self.dir, self.runtime = cfg, run_dir / "checkpoints", runtime
-        self.model, self.optimizer, self.io = model, optimizer, model.checkpoint_io
+        self.model, self.optimizer, self.io = model, optimizer, io_for(model)
         self.states, self.best, self.classes = states, best, classes
         self.fault = faults.planned(runtime.rank)  # tests: a full disk at a chosen save
 
@@ -392,7 +393,7 @@ def resume(
     rates, epochs: the caller continues exactly; the rest refused in check_resumable).
     The strategy's I/O reads the model and optimizer (each rank its shards, resharded,
     where both it and the checkpoint are sharded); each part loads its own state."""
-    io = model.checkpoint_io
+    io = io_for(model)
     state = read_for_resume(path) if io.reads_shards(path) else load(path)
     saved, changed = check_resumable(state, cfg, classes, path)
     io.load_into(path, model, optimizer, state)
