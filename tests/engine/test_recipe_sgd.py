@@ -46,6 +46,18 @@ def test_same_weights_and_state_as_torch_sgd(fused, nesterov):
     assert buffer.is_contiguous(memory_format=torch.channels_last)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_without_momentum_it_steps_as_torch_sgd(fused):
+    """--momentum 0: SGD keeps no buffers (once a zip over none stopped the first step)."""
+    reference, model = _model(), _model()
+    options = dict(lr=0.1, momentum=0.0, weight_decay=1e-3, fused=fused)
+    _steps(reference, torch.optim.SGD(reference.parameters(), **options))
+    optimizer = StorageOrderSGD(model.parameters(), **options)
+    _steps(model, optimizer)
+    for a, b in zip(reference.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("name", ["sgd", "adamw"])
 def test_resuming_contiguous_optimizer_state_into_channels_last_weights(name):
     """A pipeline's or fsdp's checkpoint (contiguous) resumed by a channels_last run:

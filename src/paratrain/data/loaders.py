@@ -26,7 +26,14 @@ from paratrain.data.folder import (
     build_split,
     leave_stop_signals_to_the_rank,
 )
-from paratrain.data.samplers import ShardedEvalSampler, TrainBatches, TrainSampler, train_sampler
+from paratrain.data.samplers import (
+    GlobalBatches,
+    ShardedEvalSampler,
+    StepPlan,
+    TrainBatches,
+    TrainSampler,
+    train_sampler,
+)
 from paratrain.data.samples import PackedStrings, Samples
 from paratrain.data.scan import screen
 from paratrain.data.sources.base import Source, open_source
@@ -273,6 +280,11 @@ class Loaders:
     workers: int  # loader processes per rank
     cache: DecodedCache | None  # what training reads, where it reads a cache
 
+    def step_plan(self, step: int) -> StepPlan | None:
+        """How the ``step``-th step since the epoch (re)started weighs its micro-batches
+        (--order global), or None: as loaded."""
+        return self.train.batch_sampler.step_plan(step)  # type: ignore[union-attr]
+
     @property
     def cached(self) -> bool:
         return self.cache is not None
@@ -344,12 +356,7 @@ def make_loaders(
         replica, replicas = local
     else:
         sampler = train_sampler(labels, replica, replicas, cfg.seed, cfg.ra_reps, power)
-    if len(sampler) == 1:
-        raise AgreedUserError(
-            f"{len(train_set)} training image(s) give each of {replicas} model copies 1 image "
-            "an epoch, and BatchNorm needs 2 a step: use fewer processes or more images"
-        )
-    batches = TrainBatches(sampler, cfg.batch, drop_last=fixed_batch)
+    batches = _train_batches(cfg, sampler, replicas, len(train_set), local is not None, fixed_batch)
     train = DataLoader(
         train_set,
         batch_sampler=batches,
@@ -363,6 +370,35 @@ def make_loaders(
         split.val, cfg, cfg.batch, workers, replica, replicas, cache, runtime.device.type == "cuda"
     )
     return Loaders(train, val, sampler, workers, cache)
+
+
+def _train_batches(
+    cfg: TrainConfig,
+    sampler: TrainSampler,
+    replicas: int,
+    images: int,
+    per_node: bool,
+    fixed_batch: bool,
+) -> TrainBatches | GlobalBatches:
+    """The sampler's order in this rank's batches: --order global's steps, or padded
+    batches; ``per_node``: each node reads its own shards."""
+    if cfg.order == "global":
+        if per_node or fixed_batch:
+            why = (
+                "shards read per node"
+                if per_node
+                else f"--strategy {cfg.strategy}'s fixed micro-batches"
+            )
+            raise AgreedUserError(
+                f"--order global: {why} give each process its own order; use --order padded"
+            )
+        return GlobalBatches(sampler, cfg.batch, cfg.grad_accum)
+    if len(sampler) == 1:
+        raise AgreedUserError(
+            f"{images} training image(s) give each of {replicas} model copies 1 image "
+            "an epoch, and BatchNorm needs 2 a step: use fewer processes or more images"
+        )
+    return TrainBatches(sampler, cfg.batch, drop_last=fixed_batch)
 
 
 def validation_loader(

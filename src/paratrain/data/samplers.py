@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -34,7 +35,7 @@ class TrainSampler(Sampler[tuple[int, int]]):
         self.n, self.rank, self.world_size, self.seed = dataset_len, rank, world_size, seed
         self.repeats = repeats
         self.epoch, self.consumed = 0, 0
-        self.length = math.ceil(dataset_len / world_size) * world_size
+        self.length = math.ceil(dataset_len / world_size) * world_size  # padded
         self.nodes = 1  # orders like this one, on as many nodes (node_share)
 
     def node_share(self, length: int, nodes: int) -> None:
@@ -129,6 +130,18 @@ class BalancedSampler(TrainSampler):
         return np.resize(order, self.length) if self.n else order
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """How one optimizer step of --order global weighs its micro-batches: ``images`` in
+    the step over every rank; per micro-batch of this rank, its ``real`` images (0: a
+    stand-in image, weighted zero) and the ``divisor`` of its mean loss, so that the
+    gradients averaged over the ranks are the mean over the step's images."""
+
+    images: int
+    real: tuple[int, ...]
+    divisors: tuple[float, ...]
+
+
 class TrainBatches(Sampler):
     """The sampler's samples in batches of ``batch_size``, where a last batch of a
     single sample is folded into the batch before it (batch_size + 1 samples): BatchNorm
@@ -161,6 +174,69 @@ class TrainBatches(Sampler):
         if self.drop_last or (rest == 1 and full):
             return full
         return full + (rest > 0)
+
+    def step_plan(self, step: int) -> StepPlan | None:
+        """Every micro-batch as loaded: the loss averaged over the step's micro-batches."""
+        return None
+
+
+class GlobalBatches(Sampler):
+    """--order global: the sampler's order, unpadded, cut into global steps of
+    ``world x batch x accum`` images whatever the world size; step s takes positions
+    ``s·G .. s·G + G`` (from where a resumed epoch starts), its micro-batch j the next
+    ``world x batch`` of them, and rank r every world-th from the r-th. A step short of
+    images (the epoch's last, or one resumed under another world size) gives some ranks
+    fewer: ``step_plan`` weighs each rank's loss by its share, so the averaged gradient
+    is the mean over the step's images, as one process with the whole batch computes it.
+    A rank left without an image in a micro-batch takes the micro-batch's first image as
+    a stand-in weighted zero, so every rank runs the same forwards and collectives."""
+
+    def __init__(self, sampler: TrainSampler, batch_size: int, accum: int = 1):
+        self.sampler, self.batch_size, self.accum = sampler, batch_size, accum
+        sampler.length = sampler.n  # unpadded: no image twice in an epoch
+
+    @property
+    def _micro(self) -> int:
+        return self.sampler.world_size * self.batch_size
+
+    def _steps(self) -> Iterator[tuple[int, int]]:
+        """(start, end) positions of the epoch's remaining steps."""
+        start, n, size = self.sampler.consumed, self.sampler.length, self._micro * self.accum
+        while start < n:
+            yield start, min(start + size, n)
+            start += size
+
+    def _micros(self, start: int, end: int) -> list[tuple[int, range]]:
+        """Each micro-batch of the step [start, end): its first position, and this rank's."""
+        world, rank = self.sampler.world_size, self.sampler.rank
+        return [
+            (first, range(first + rank, min(first + self._micro, end), world))
+            for first in range(start, end, self._micro)
+        ]
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        sampler = self.sampler
+        order = sampler._global_order()
+        for start, end in self._steps():
+            for first, positions in self._micros(start, end):
+                if not positions:  # a stand-in, weighted zero
+                    positions = range(first, first + 1)
+                yield [
+                    (int(order[p]), sample_seed(sampler.seed, sampler.epoch, p)) for p in positions
+                ]
+
+    def __len__(self) -> int:
+        return sum(len(self._micros(start, end)) for start, end in self._steps())
+
+    def step_plan(self, step: int) -> StepPlan:
+        """The weights of the ``step``-th step from where the epoch (re)started."""
+        size = self._micro * self.accum
+        start = self.sampler.consumed + step * size
+        end = min(start + size, self.sampler.length)
+        real = tuple(len(positions) for _, positions in self._micros(start, end))
+        world = self.sampler.world_size
+        divisors = tuple((end - start) / (world * count) if count else math.inf for count in real)
+        return StepPlan(end - start, real, divisors)
 
 
 def train_sampler(

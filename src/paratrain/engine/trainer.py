@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 from paratrain.config import TrainConfig
 from paratrain.data.cache.read import agree_intact
+from paratrain.data.samplers import StepPlan
 from paratrain.distributed import comm
 from paratrain.distributed.env import DistEnv
 from paratrain.distributed.runtime import Runtime
@@ -102,16 +103,18 @@ def train_epoch(run: Run, epoch: int) -> float:
     parts.train()
     run.optimizer.zero_grad(set_to_none=True)
     start, first = time.perf_counter(), progress.global_step
-    batches, remaining = iter(run.loaders.train), len(run.loaders.train)
+    batches, remaining, taken = iter(run.loaders.train), len(run.loaders.train), 0
     while remaining:
         count = min(cfg.grad_accum, remaining)  # the epoch's last step may have fewer
         remaining -= count
         run.schedule.apply(run.optimizer, epoch + progress.consumed / sampler.total)
-        images = train_step(run, itertools.islice(batches, count), count)
+        plan = run.loaders.step_plan(taken)  # --order global: how its micro-batches weigh
+        images = train_step(run, itertools.islice(batches, count), count, plan)
+        taken += 1
         if run.first_step is None:  # what a user waits for: from the command to training
             run.first_step = since_start()
             get_logger().info(f"first step {run.first_step:.1f} s after the command started")
-        bar.update(images * parts.replicas)
+        bar.update(images)
         if not bar.disable and progress.global_step % run.control.check_every == 0:
             totals = progress.totals.tolist()  # read back only where shown
             bar.set_postfix(loss=f"{totals[0] / max(totals[2], 1):.4f}")
@@ -127,20 +130,20 @@ def train_epoch(run: Run, epoch: int) -> float:
     return seconds
 
 
-def train_step(run: Run, micro_batches: Iterator, count: int) -> int:
+def train_step(run: Run, micro_batches: Iterator, count: int, plan: StepPlan | None = None) -> int:
     """One optimizer step of the run (engine/run/step.py), then what the run keeps of it:
-    the epoch's sums, the step counters, the trackers' scalars. Returns this process's
-    images."""
+    the epoch's sums, the step counters, the trackers' scalars. Returns the step's images
+    over every model copy."""
     progress = run.progress
-    result = one_step(run.stepper, micro_batches, count, progress)
+    result = one_step(run.stepper, micro_batches, count, progress, plan=plan)
     if result.skipped is not True:
         progress.totals += result.sums
         lr = base_lr(run.optimizer)
         run.loggers.add(result.sums, progress.global_step + 1, lr, run.control.check_every)
     progress.step_in_epoch += 1
     progress.global_step += 1
-    progress.consumed += result.images * run.parts.replicas
-    return result.images
+    progress.consumed += result.trained
+    return result.trained
 
 
 def validate(run: Run) -> tuple[EvalResult, dict[str, EvalResult]]:

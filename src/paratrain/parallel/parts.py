@@ -129,11 +129,12 @@ class ModelParts(list):
         targets: torch.Tensor,
         criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         precision: StepPrecision,
-        divisor: int,
+        divisor: float,
         lap: Callable[[str], None] | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """One micro-batch's forward and backward; its loss and logits (None where this
-        process does not produce them). The loss's gradient is divided by ``divisor``;
+        process does not produce them). The loss's gradient is divided by ``divisor``
+        (infinite: a stand-in's, weighted zero);
         ``lap("forward")`` is called between the two (bench times them)."""
         with precision.autocast():
             logits = logits_of(self(images))

@@ -44,7 +44,7 @@ class _Loss:
     micro-steps' share again)."""
 
     criterion: nn.Module | None = None
-    divisor: int = 1
+    divisor: float = 1
 
     def __init__(self, microbatches: int):
         self.microbatches = microbatches
@@ -96,7 +96,7 @@ class PipelineParts(ModelParts):
         targets: torch.Tensor,
         criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         precision: StepPrecision,
-        divisor: int,
+        divisor: float,
         lap: Callable[[str], None] | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """One micro-batched schedule step: the first stage feeds images, the last

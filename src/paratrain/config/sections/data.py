@@ -177,6 +177,16 @@ class DataSettings:
         low_open=True,
         resume="fixed_mid_epoch",
     )
+    order: str = setting(
+        "padded",
+        "the training order over processes: padded is torch's DistributedSampler (one "
+        "permutation an epoch, padded to a multiple of the processes, every rank's "
+        "batches alike); global cuts the same permutation, unpadded, into global batches "
+        "that do not depend on the world size, each rank's loss weighed by its share",
+        group="data",
+        choices=("padded", "global"),
+        resume="fixed_mid_epoch",
+    )
     tta: str = setting(
         "none",
         "test-time augmentation in evaluation: flip averages each image's logits with its mirror's",

@@ -53,6 +53,7 @@ def run_facts(
         ),
         global_batch=(
             f"{cfg.batch * replicas * cfg.grad_accum} ({cfg.batch} x {replicas} replica(s){accum})"
+            + ("; order global: the same steps at any world size" if cfg.order == "global" else "")
         ),
         schedule=f"{cfg.opt}, {describe_schedule(cfg, replicas)}",
         recipe=recipe_words(cfg),

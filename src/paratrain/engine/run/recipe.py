@@ -341,6 +341,8 @@ class StorageOrderSGD(torch.optim.SGD):
             grads: list[torch.Tensor] = []
             buffers: list[torch.Tensor | None] = []
             sparse = self._init_group(group, params, grads, buffers)
+            if not buffers:  # momentum 0: SGD keeps no buffers
+                buffers = [None] * len(params)
             # a triple all channels_last is seen in storage order; anything else as it is
             viewed = [
                 all(_is_channels_last(t) for t in (p, g, b) if t is not None)

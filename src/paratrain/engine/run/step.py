@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from paratrain.data.device_batches import to_model
+from paratrain.data.samplers import StepPlan
 from paratrain.engine.run.control import StepControl
 from paratrain.engine.run.recipe import Recipe
 from paratrain.engine.run.state import Progress
@@ -41,6 +42,7 @@ class StepResult:
     sums: torch.Tensor  # (loss x n, correct, n) of the step's images, on the device
     images: int  # this process's images
     skipped: bool | torch.Tensor  # a device flag under a sync-free skip
+    trained: int = 0  # the step's images over every model copy
 
 
 def train_step(
@@ -51,11 +53,13 @@ def train_step(
     *,
     sync: bool = True,
     lap: Lap | None = None,
+    plan: StepPlan | None = None,
 ) -> StepResult:
     """One optimizer step over ``count`` micro-batches. ``sync``: the last micro-batch
     averages the gradients over the replicas (False: every one keeps them local, which
     bench uses to time a step without communication). ``progress``: where training
-    stands, for the control's messages."""
+    stands, for the control's messages. ``plan``: how the micro-batches weigh (--order
+    global); None: each micro-batch's mean loss over ``count`` alike."""
     parts, recipe, optimizer, control = (
         stepper.parts,
         stepper.recipe,
@@ -64,7 +68,7 @@ def train_step(
     )
     if control is not None:
         control.begin_step(parts.buffers())
-    sums, images_seen = _micro_steps(stepper, micro_batches, count, sync, lap)
+    sums, images_seen = _micro_steps(stepper, micro_batches, count, sync, lap, plan)
     if recipe.freezing is not None:  # --freeze-epochs: the backbone's gradients dropped
         recipe.freezing.drop_grads()
     if lap is not None:
@@ -79,15 +83,21 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     if lap is not None:
         lap("optimizer")
-    return StepResult(sums, images_seen, skipped)
+    trained = plan.images if plan is not None else images_seen * parts.replicas
+    return StepResult(sums, images_seen, skipped, trained)
 
 
 def _micro_steps(
-    stepper: Stepper, micro_batches: Iterable, count: int, sync: bool, lap: Lap | None
+    stepper: Stepper,
+    micro_batches: Iterable,
+    count: int,
+    sync: bool,
+    lap: Lap | None,
+    plan: StepPlan | None,
 ) -> tuple[torch.Tensor, int]:
     """Forward and backward over the step's micro-batches (the last one averaging the
     gradients, where ``sync``): the loss, correct and image sums where the model
-    computes, and the images this process saw."""
+    computes, and the images this process saw (a stand-in of ``plan`` not counted)."""
     parts, recipe = stepper.parts, stepper.recipe
     sums = torch.zeros(3, dtype=torch.float64, device=parts.output_device)
     images_seen = 0
@@ -102,12 +112,14 @@ def _micro_steps(
         local = micro < count - 1 or not sync
         with parts.no_sync() if local else contextlib.nullcontext():
             criterion = recipe.criterion_for(images)  # with --teacher, its logits first
+            divisor = recipe.grad_accum if plan is None else plan.divisors[micro]
             loss, logits = parts.forward_backward(
-                images, targets, criterion, recipe.precision, recipe.grad_accum, lap
+                images, targets, criterion, recipe.precision, divisor, lap
             )
-        images_seen += labels.numel()
-        if loss is not None and logits is not None:  # a pipeline's last stage alone has them
-            n = labels.numel()  # on the device, with scalars from the host: nothing waits
+        n = labels.numel() if plan is None else plan.real[micro]
+        images_seen += n
+        if loss is not None and logits is not None and n:  # a pipeline's last stage alone
+            # has them; on the device, with scalars from the host: nothing waits
             sums[0] += loss.double() * n
             sums[1] += (logits.argmax(1) == labels).sum()
             sums[2] += n
