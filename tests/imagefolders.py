@@ -87,15 +87,19 @@ def make_hf_dataset(
     class_label: bool = True,
     form: str = "save_to_disk",
     size: tuple[int, int] = (40, 30),
+    several: bool = False,
 ) -> Path:
     """A Hugging Face dataset on disk: ``save_to_disk`` (a DatasetDict) or parquet files
     (``root/<split>-00000.parquet``), an Image column and a ClassLabel (or plain int)
-    column; the validation split has a third as many images per class."""
+    column; the validation split has a third as many images per class. ``several``: a
+    Sequence(ClassLabel) column, every other image of class c also labelled c + 1."""
     import datasets
 
     rng = np.random.default_rng(0)
     names = [f"class_{i}" for i in range(classes)]
     label_type = datasets.ClassLabel(names=names) if class_label else datasets.Value("int64")
+    if several:
+        label_type = datasets.Sequence(label_type)
     features = datasets.Features({image_column: datasets.Image(), label_column: label_type})
     made = {}
     for split in splits:
@@ -104,7 +108,10 @@ def make_hf_dataset(
         made[split] = datasets.Dataset.from_dict(
             {
                 image_column: [{"bytes": raw, "path": None} for _, raw in rows],
-                label_column: [c for c, _ in rows],
+                label_column: [
+                    ([c, (c + 1) % classes][: 1 + i % 2] if several else c)
+                    for i, (c, _) in enumerate(rows)
+                ],
             },
             features=features,
         )
@@ -115,6 +122,30 @@ def make_hf_dataset(
         for split, dataset in made.items():
             dataset.to_parquet(str(root / f"{split}-00000.parquet"))
     return root
+
+
+def make_multilabel_folder(
+    root: Path, classes: int = 4, images: int = 48, size: int = 32, seed: int = 0
+) -> Path:
+    """``root/NNN.png`` images of 1 to 3 labels and ``root/labels.csv`` naming them
+    (``image,labels``, names separated by ``;``): an image is stripes of its labels'
+    colours, so each label is learnable. Returns the labels file."""
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    lines = ["image,labels"]
+    for i in range(images):
+        count = 1 + i % 3
+        chosen = sorted(rng.choice(classes, size=min(count, classes), replace=False).tolist())
+        pixels = np.zeros((size, size, 3), np.float32)
+        bands = np.array_split(np.arange(size), len(chosen))
+        for band, c in zip(bands, chosen, strict=True):
+            pixels[band] = PALETTE[c % len(PALETTE)]
+        pixels = np.clip(pixels + rng.normal(0, 20, pixels.shape), 0, 255).astype(np.uint8)
+        Image.fromarray(pixels).save(root / f"{i:03d}.png")
+        lines.append(f"{i:03d}.png," + ";".join(f"label_{c}" for c in chosen))
+    listing = root / "labels.csv"
+    listing.write_text("\n".join(lines) + "\n")
+    return listing
 
 
 def make_shards(

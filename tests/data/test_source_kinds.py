@@ -93,7 +93,7 @@ def test_a_csv_listings_classes_sort_numbers_by_value(tmp_path):
     ("rows", "says"),
     [
         ("a.png,cat\nb.png,dog\ngone.png,cat\n", r"l\.csv, row 4: no image file .*gone\.png"),
-        ("a.png,cat\nb.png,\n", r"l\.csv, row 3: no class for b\.png"),
+        ("a.png,cat\nb.png,\n", r"l\.csv, row 3: no label for b\.png"),
         ("a.png,cat\n,dog\n", r"l\.csv, row 3: no image path"),
         ("a.png,cat\nb.png,cat\n", r"l\.csv: one class \(cat\)"),
         ("", r"l\.csv: lists no image"),
@@ -139,17 +139,42 @@ def test_labels_beside_a_folder_in_csv_json_lines_or_one_hot_columns(tmp_path):
     hot = _listed(tmp_path, "h.csv", "image,cat,dog\na.png,1,0\nb.png,0,1\nc.png,0,1\n")
     assert hot.classes == ["cat", "dog"] and hot.samples.labels.tolist() == [0, 1, 1]
     assert hot.sides is None  # no split column: split here
+    assert jsonl.label_sets is None and hot.label_sets is None  # one class a row
+
+
+def test_several_labels_a_row_make_a_multi_label_listing(tmp_path):
+    """Names separated by ; or |, several 1s, or a JSON list: each image's label numbers
+    its label set, a row of the 0/1 table."""
+    cells = _listed(tmp_path, "s.csv", "image,tags\na.png,cat;dog\nb.png,dog\nc.png,cat|dog\n")
+    assert cells.classes == ["cat", "dog"]
+    assert cells.label_sets.tolist() == [[1, 1], [0, 1]]
+    assert cells.samples.labels.tolist() == [0, 1, 0]
+    hot = _listed(tmp_path, "h.csv", "image,cat,dog,cow\na.png,1,0,1\nb.png,0,1,0\nc.png,1,0,1\n")
+    assert hot.classes == ["cat", "cow", "dog"]
+    assert [hot.label_sets[i].tolist() for i in hot.samples.labels] == [
+        [1, 1, 0], [0, 0, 1], [1, 1, 0]
+    ]  # fmt: skip
+    jsonl = _listed(
+        tmp_path, "l.jsonl",
+        '{"image": "a.png", "labels": ["cat", "dog"]}\n{"image": "b.png", "labels": ["cat"]}\n',
+    )  # fmt: skip
+    assert jsonl.label_sets.tolist() == [[1, 1], [1, 0]]
+    split = build_split(open_source(str(tmp_path), labels=tmp_path / "s.csv"), 0.34)
+    assert split.multilabel and (len(split.train), len(split.val)) == (2, 1)
 
 
 @pytest.mark.parametrize(
     ("name", "text", "says"),
     [
-        ("m.csv", "image,cat,dog\na.png,1,0\nb.png,1,1\n", r"row 3: several classes \(cat;dog\)"),
-        ("m.csv", "image,label\na.png,cat\nb.png,cat;dog\n", r"row 3: several classes"),
-        ("n.csv", "image,cat,dog\na.png,1,0\nb.png,0,0\n", r"row 3: no class for b\.png"),
+        ("n.csv", "image,cat,dog\na.png,1,0\nb.png,0,0\n", r"row 3: no label for b\.png"),
+        ("e.csv", "image,label\na.png,cat;dog\nb.png, ; \n", r"row 3: no label for b\.png"),
+        ("f.csv", "image,label\na.png,cat\nb.png,dog\nmissing.png,cat|dog\n",
+         r"row 4: no image file .*missing\.png"),
+        ("v.csv", "image,label,split\na.png,cat;dog,train\nb.png,dog,train\nc.png,dog;cow,val\n",
+         r"row 4: label 'cow' is in no training row"),
         ("o.csv", "image,cat,dog\na.png,1,0\nb.png,2,0\n", r"row 3: the class columns hold"),
         ("u.csv", "image,label,split\na.png,cat,train\nb.png,dog,train\nc.png,cow,val\n",
-         r"row 4: class 'cow' is in no training row"),
+         r"row 4: label 'cow' is in no training row"),
         ("j.jsonl", '{"image": "a.png", "label": "cat"}\n[1, 2]\n', r"row 2: not a JSON object"),
         ("x.txt", "a.png cat\n", r"--labels .*x\.txt: a labels file is one of \.csv, \.jsonl"),
     ],

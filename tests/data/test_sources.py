@@ -76,6 +76,15 @@ def test_a_dataset_folder_gives_its_splits_classes_and_images(tmp_path, form):
     _every_image_reads(split)
 
 
+def test_a_sequence_of_class_labels_gives_several_labels_an_image(tmp_path):
+    data = make_hf_dataset(tmp_path / "hf", several=True)
+    split = build_split(data)
+    assert split.multilabel and split.classes == ["class_0", "class_1", "class_2"]
+    rows = [split.label_sets[n].tolist() for n in split.train.labels[:4]]
+    assert rows == [[1, 0, 0], [1, 1, 0], [1, 0, 0], [1, 1, 0]]
+    _every_image_reads(split)
+
+
 def test_hf_name_loads_through_load_dataset(tmp_path):
     """hf:NAME goes through datasets.load_dataset (here a local folder of parquet files,
     as load_dataset accepts; a hub name is fetched into the hub's cache the same way)."""

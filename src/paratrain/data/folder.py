@@ -44,6 +44,12 @@ class DataSplit:
     root: str  # what --data said
     ignored: int = 0  # files without an image extension, left out
     missing: list[tuple[str, str]] = field(default_factory=list)  # unreadable at listing
+    label_sets: np.ndarray | None = None  # several labels per image (data/label_sets.py)
+
+    @property
+    def multilabel(self) -> bool:
+        """Several labels per image: a sample's label numbers its label set."""
+        return self.label_sets is not None
 
     @property
     def source(self) -> Origin | None:
@@ -80,6 +86,7 @@ def split_listing(listing: Listing, source: Source, val_fraction: float, seed: i
         root=source.name,
         ignored=listing.ignored,
         missing=listing.missing,
+        label_sets=listing.label_sets,
     )
 
 
@@ -91,6 +98,11 @@ def validation_side(listing: Listing, source: Source, val_fraction: float, seed:
         is_val = listing.sides == 1
     elif source.sharded:
         is_val = np.array([_hashed_side(key, seed, val_fraction) for key in samples.keys])
+    elif listing.label_sets is not None:  # several labels an image: no class to stratify by
+        if len(samples) < 2:
+            raise UserError(f"{source.name} has {len(samples)} image; 2 are needed to split it")
+        is_val = np.zeros(len(samples), dtype=bool)
+        is_val[split_class(len(samples), val_fraction, seed)] = True
     else:
         is_val = np.zeros(len(samples), dtype=bool)
         for index, name in enumerate(listing.classes):

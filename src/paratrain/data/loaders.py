@@ -176,6 +176,7 @@ def _with_sides(split: DataSplit, both: Samples, in_val: np.ndarray) -> DataSpli
         split.root,
         split.ignored,
         split.missing,
+        split.label_sets,
     )
 
 

@@ -54,6 +54,9 @@ class Listing:
     layout: str = "split"  # "split" (split here) or "given" (by the source)
     ignored: int = 0  # files without an image extension, left out
     missing: list[tuple[str, str]] = field(default_factory=list)  # (key, why): unreadable
+    # several labels per image: each sample's label is a row of this 0/1 table of label
+    # sets [sets, classes] (data/label_sets.py); None: one class per image
+    label_sets: np.ndarray | None = None
 
 
 class Source:
@@ -147,6 +150,8 @@ def write_listing(path: Path, source: Source, listing: Listing) -> Path:
         versions=samples.versions,
         sides=listing.sides if listing.sides is not None else np.zeros(0, np.int8),
         given=np.array(listing.sides is not None),
+        label_sets=listing.label_sets if listing.label_sets is not None else np.zeros(0, np.uint8),
+        several=np.array(listing.label_sets is not None),
     )
     return path
 
@@ -161,10 +166,13 @@ def read_listing(path: Path, source: Source) -> Listing | None:
             keys = PackedStrings(kept["keys"], kept["offsets"])
             samples = Samples(keys, kept["labels"], source, kept["sizes"], kept["versions"])
             sides = kept["sides"] if bool(kept["given"]) else None
+            label_sets = kept["label_sets"] if bool(kept["several"]) else None
     except (OSError, ValueError, KeyError):
         return None
     missing = [(str(key), str(why)) for key, why in meta["missing"]]
-    return Listing(meta["classes"], samples, sides, meta["layout"], meta["ignored"], missing)
+    return Listing(
+        meta["classes"], samples, sides, meta["layout"], meta["ignored"], missing, label_sets
+    )
 
 
 # ---------------------------------------------------------------------------- Hugging Face

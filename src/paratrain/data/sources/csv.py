@@ -3,15 +3,16 @@
 FILE.csv|.jsonl`` (paths relative to DIR). A row names an image and its class:
 
 * CSV: a header, then the image's path and its class; the columns are found by name
-  (``image``/``path``/``file``/``filename``/``id`` and ``label``/``class``/``target``/
-  ``category``), else the first two; or, in place of the class, one 0/1 column per class
-  (the header names the classes), exactly one 1 a row;
-* JSON lines: an object a line with the same keys.
+  (``image``/``path``/``file``/``filename``/``id`` and ``label``/``labels``/``tags``/
+  ``class``/``target``/``category``), else the first two; or, in place of the class, one
+  0/1 column per class (the header names the classes);
+* JSON lines: an object a line with the same keys (the label a name or a list of names).
 
-A ``split`` column (``train``/``val``) gives the split; without one it is made here. A row
-that names no file on disk, has no class, several (one class a row: multi-label data is
-not trained yet), or a validation class that no training row has, stops the listing with
-one line naming the file and the row. A key is a file's path.
+A row may carry several labels: names separated by ``;`` or ``|``, several 1s, or a JSON
+list. Where any row does, the listing is multi-label (data/label_sets.py). A ``split``
+column (``train``/``val``) gives the split; without one it is made here. A row that names
+no file on disk, has no label, or a label that no training row has, stops the listing
+with one line naming the file and the row. A key is a file's path.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ from pathlib import Path
 
 import numpy as np
 
+from paratrain.data.label_sets import encode
 from paratrain.data.samples import PackedStrings, Samples
 from paratrain.data.sources.base import Listing, Source, SourceKind, SourceOptions
 from paratrain.errors import UserError
 
 PREFIX = "csv:"
 IMAGE_COLUMNS = ("image", "path", "file", "filename", "id")
-LABEL_COLUMNS = ("label", "labels", "class", "target", "category")
+LABEL_COLUMNS = ("label", "labels", "tags", "class", "target", "category")
 SIDES = {"train": 0, "val": 1, "valid": 1, "validation": 1}
 SEVERAL = (";", "|")  # what separates several labels in one cell
 SIDE = "split"  # the column (or key) that gives each row its side
@@ -42,6 +44,14 @@ class _Row:
     path: str
     label: str
     side: str
+
+    @property
+    def names(self) -> list[str]:
+        """The row's label names (several where separated by ``;`` or ``|``)."""
+        text = self.label
+        for mark in SEVERAL[1:]:
+            text = text.replace(mark, SEVERAL[0])
+        return list(dict.fromkeys(n.strip() for n in text.split(SEVERAL[0]) if n.strip()))
 
 
 def class_order(names: set[str]) -> list[str]:
@@ -85,13 +95,8 @@ class CsvSource(Source):
                 )
             if not row.path:
                 raise UserError(f"{self._where(row.number)}: no image path")
-            if not row.label:
-                raise UserError(f"{self._where(row.number)}: no class for {row.path}")
-            if any(mark in row.label for mark in SEVERAL):
-                raise UserError(
-                    f"{self._where(row.number)}: several classes ({row.label}) for "
-                    f"{row.path}; one class a row (multi-label data is not trained yet)"
-                )
+            if not row.names:
+                raise UserError(f"{self._where(row.number)}: no label for {row.path}")
         return rows, self._split_given
 
     def _csv_rows(self) -> list[_Row]:
@@ -120,7 +125,7 @@ class CsvSource(Source):
         return rows
 
     def _one_hot(self, header: list[str], flags: list[int], cells: list[str], number: int) -> str:
-        """The class of a row of 0/1 columns, one per class: the one column set."""
+        """The labels of a row of 0/1 columns, one per class: the columns set."""
         if any(cells[i] not in ("0", "1", "") for i in flags):
             raise UserError(f"{self._where(number)}: the class columns hold other than 0 and 1")
         named = [header[i].strip() for i in flags if cells[i] == "1"]
@@ -150,15 +155,21 @@ class CsvSource(Source):
 
     def list_entries(self, node: int = 0, nodes: int = 1) -> Listing:
         rows, given = self._rows()
-        classes = class_order({row.label for row in rows if SIDES[row.side] == 0})
+        named = [row.names for row in rows]
+        several = any(len(names) > 1 for names in named)
+        training = {
+            n for row, names in zip(rows, named, strict=True) if SIDES[row.side] == 0 for n in names
+        }
+        classes = class_order(training)
         if len(classes) < 2:
             raise UserError(f"{self.file}: one class ({classes[0]}); a classifier needs 2")
         index = {name: i for i, name in enumerate(classes)}
         keys, sizes, versions = [], [], []
-        for row in rows:
-            if row.label not in index:
+        for row, names in zip(rows, named, strict=True):
+            unknown = [n for n in names if n not in index]
+            if unknown:
                 raise UserError(
-                    f"{self._where(row.number)}: class {row.label!r} is in no training row"
+                    f"{self._where(row.number)}: label {unknown[0]!r} is in no training row"
                 )
             full = os.path.join(self.root, os.path.expanduser(row.path))
             try:
@@ -168,15 +179,22 @@ class CsvSource(Source):
             keys.append(full)
             sizes.append(info.st_size)
             versions.append(info.st_mtime_ns)
+        numbers = [[index[n] for n in names] for names in named]
+        label_sets = None
+        if several:
+            labels, label_sets = encode(numbers, len(classes))
+        else:
+            labels = np.array([row[0] for row in numbers], np.int32)
         samples = Samples(
             PackedStrings.of(keys),
-            np.array([index[row.label] for row in rows], np.int32),
+            labels,
             self,
             np.array(sizes, np.int64),
             np.array(versions, np.int64),
         )
         sides = np.array([SIDES[row.side] for row in rows], np.int8)
-        return Listing(classes, samples, sides if given else None, "given" if given else "split")
+        layout = "given" if given else "split"
+        return Listing(classes, samples, sides if given else None, layout, label_sets=label_sets)
 
 
 def _open(data: str, options: SourceOptions) -> CsvSource:

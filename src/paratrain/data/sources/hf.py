@@ -1,7 +1,8 @@
 """A Hugging Face dataset: ``hf:NAME`` (from the hub, into its usual cache), or a folder
 written by ``datasets``' ``save_to_disk`` or holding parquet files. The image and label
 columns are found (an ``Image`` feature, a ``ClassLabel``) or named (``--image-column``,
-``--label-column``); ``--data-split`` and ``--val-split`` name the splits (pip install
+``--label-column``; a ``Sequence(ClassLabel)`` gives several labels an image);
+``--data-split`` and ``--val-split`` name the splits (pip install
 'paratrain[datasets]'). A key is ``<split>/<row>``.
 """
 
@@ -14,6 +15,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from paratrain.data.label_sets import encode
 from paratrain.data.samples import PackedStrings, Samples
 from paratrain.data.sources.base import Listing, Source, SourceKind, SourceOptions
 from paratrain.errors import UserError
@@ -107,7 +109,8 @@ class HFSource(Source):
             (n for n, f in features.items() if isinstance(f, datasets.Image)), None
         )
         label = self.label_column or next(
-            (n for n, f in features.items() if isinstance(f, datasets.ClassLabel)), None
+            (n for n, f in features.items() if isinstance(_class_label(f), datasets.ClassLabel)),
+            None,
         )
         label = label or next((n for n in LABEL_COLUMNS if n in features), None)
         for what, flag, column in (
@@ -146,6 +149,8 @@ class HFSource(Source):
         first = self._split(train_name)
         _, label_column = self._columns(first)
         feature = first.features[label_column]
+        several = feature is not _class_label(feature)  # a Sequence(ClassLabel): multi-label
+        feature = _class_label(feature)
         if isinstance(feature, datasets.ClassLabel):
             classes = list(feature.names)
         else:
@@ -160,17 +165,22 @@ class HFSource(Source):
             for row, value in enumerate(column):
                 keys.append(f"{name}/{row}")
                 labels.append(
-                    int(value) if isinstance(feature, datasets.ClassLabel) else index[str(value)]
+                    value if isinstance(feature, datasets.ClassLabel) else index[str(value)]
                 )
                 sides.append(side)
-        samples = Samples(PackedStrings.of(keys), np.array(labels, np.int32), self)
+        label_sets = None
+        if several:
+            numbers, label_sets = encode([[int(v) for v in row] for row in labels], len(classes))
+        else:
+            numbers = np.array(labels, np.int32)
+        samples = Samples(PackedStrings.of(keys), numbers, self)
         if len(classes) < 2:
             raise UserError(
                 f"--data {self.spec}: one class in {label_column}; a classifier needs 2"
             )
         given = val_name is not None
         return Listing(classes, samples, np.array(sides, np.int8) if given else None,
-                       "given" if given else "split")  # fmt: skip
+                       "given" if given else "split", label_sets=label_sets)  # fmt: skip
 
     def open(self, key: str) -> str | BinaryIO:
         name, row = key.rsplit("/", 1)
@@ -186,6 +196,13 @@ class HFSource(Source):
         if name not in cache:
             cache[name] = self._split(name)
         return cache[name]
+
+
+def _class_label(feature: Any) -> Any:
+    """A ``Sequence(ClassLabel)`` column's ClassLabel (several labels an image), else the
+    feature itself."""
+    inner = getattr(feature, "feature", None)
+    return inner if isinstance(inner, _datasets().ClassLabel) else feature
 
 
 def _open(data: str, options: SourceOptions) -> HFSource:
