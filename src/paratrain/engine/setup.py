@@ -28,6 +28,7 @@ from paratrain.engine.prerun import balance
 from paratrain.engine.prerun.budget import Budget, choose_recipe, concrete, recipe_words
 from paratrain.engine.prerun.describe import data_words, run_facts
 from paratrain.engine.prerun.preflight import check_model_input
+from paratrain.engine.prerun.task import decide_task
 from paratrain.engine.run import precision as precision_module
 from paratrain.engine.run.control import StepControl
 from paratrain.engine.run.preempt import PreemptionGuard
@@ -85,13 +86,15 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
     split = keep_sides(split, run_dir, resume_from is not None, runtime)
     intent, cfg = _budget_recipe(cfg, runtime, split, run_dir if resume_from else None)
     cache, split = prepare_data(cfg, split, runtime, run_dir)
+    cfg = decide_task(cfg, split)  # --task auto: several labels an image or one
     cfg = balance.decide(cfg, split.train.labels, split.classes)  # --balance, --monitor auto
     parts = build_parts(cfg, len(split.classes), runtime)
     optimizer = build_optimizer(parts, cfg, parts.replicas)
     counts = np.bincount(split.train.labels, minlength=len(split.classes))
     precision = precision_module.build(cfg, runtime)
     teacher = build_teacher(cfg, len(split.classes), runtime)  # --teacher
-    recipe = build_recipe(cfg, parts, len(split.classes), precision, counts.tolist(), teacher)
+    recipe = build_recipe(cfg, parts, len(split.classes), precision, counts.tolist(), teacher,
+                          split.label_sets)  # fmt: skip
     recipe.precision.prepare(parts)  # after the EMA copy: it averages the model as built
     seed_everything(cfg.seed + 1000 * runtime.rank)  # model randomness (dropout) differs per rank
     loaders = make_loaders(

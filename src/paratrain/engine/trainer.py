@@ -157,9 +157,11 @@ def validate(run: Run) -> tuple[EvalResult, dict[str, EvalResult]]:
     with run.recipe.precision.autocast():
         tta, limit = run.cfg.tta == "flip", run.cfg.limit_val_batches
         val, device = run.loaders.val, run.runtime.device
-        result = evaluate(run.parts, val, run.parts.input_device, classes, tta=tta, limit=limit)
+        sets = run.split.label_sets  # several labels an image: their table
+        result = evaluate(run.parts, val, run.parts.input_device, classes, tta=tta, limit=limit,
+                          label_sets=sets)  # fmt: skip
         others = {
-            suffix: evaluate(model, val, device, classes, tta=tta, limit=limit)
+            suffix: evaluate(model, val, device, classes, tta=tta, limit=limit, label_sets=sets)
             for suffix, model in run.recipe.evaluated().items()
         }
     return result, others
@@ -182,7 +184,7 @@ def record_epoch(
         "lr": epoch_lr,
         "train_loss": totals[0] / max(totals[2], 1),
         "train_acc": totals[1] / max(totals[2], 1),
-        **{f"val_{name}": value for name, value in result.scores().items()},
+        **result.row(),
         "val_count": result.count,
         "skipped_steps": progress.skipped_steps,
         "epoch_seconds": epoch_seconds,
@@ -193,6 +195,7 @@ def record_epoch(
     }
     for suffix, other in others.items():  # the EMA weights' (val_loss_ema, val_top1_ema)
         row.update({f"val_loss{suffix}": other.loss, f"val_top1{suffix}": other.top1})
+    run.recipe.task.observe(result)  # several labels an image: the threshold chosen
     if not run.cut_short:  # else saved mid-epoch: a resumed run trains the rest of it
         progress.start_epoch(epoch + 1)
     run.saver.save(progress, score=result.score(run.cfg.monitor))  # --monitor picks best.pt

@@ -62,14 +62,26 @@ class MetricsWriter:
             writer.writerow(row)
 
 
+def headline(row: dict[str, Any]) -> tuple[str, float | None]:
+    """The validation score a row leads with, and its name: top-1, or mAP where the run
+    has several labels an image (it has no top-1)."""
+    if row.get("val_top1") is None and "val_map" in row:
+        return "mAP", row["val_map"]
+    return "top1", row.get("val_top1")
+
+
 def format_epoch(row: dict[str, Any], epochs: int) -> str:
     """The line an epoch ends with: rate, losses, accuracies, time and images/s."""
-    top5 = f" top5 {row['val_top5']:.1%}" if row.get("val_top5") is not None else ""
+    name, value = headline(row)
+    rest = f" top5 {row['val_top5']:.1%}" if row.get("val_top5") is not None else ""
+    if row.get("val_threshold") is not None:  # several labels an image
+        rest += f" micro-F1 {row['val_micro_f1']:.1%} at {row['val_threshold']:g}"
     if row.get("val_top1_ema") is not None:
-        top5 += f" (EMA top1 {row['val_top1_ema']:.1%})"
+        rest += f" (EMA top1 {row['val_top1_ema']:.1%})"
+    shown = f"{value:.1%}" if value is not None else "-"
     return (
         f"epoch {row['epoch']}/{epochs}  lr {row['lr']:.4g}  "
         f"train loss {row['train_loss']:.4f} acc {row['train_acc']:.1%}  "
-        f"val loss {row['val_loss']:.4f} top1 {row['val_top1']:.1%}{top5}  "
+        f"val loss {row['val_loss']:.4f} {name} {shown}{rest}  "
         f"{row['epoch_seconds']:.1f}s  {row['train_images_per_s']:.0f} img/s"
     )

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from paratrain.report.metrics import headline
 
 
 def _pyplot():
@@ -29,11 +32,14 @@ def plot_curves(rows: Sequence[dict[str, Any]], path: Path) -> None:
     axes[0].plot(epochs, [r["val_loss"] for r in rows], "o-", label="validation")
     axes[0].set_title("loss")
     axes[0].legend()
-    axes[1].plot(epochs, [100 * r["val_top1"] for r in rows], "o-", color="tab:green")
+    name = headline(rows[0])[0] if rows else "top1"
+    scores = [headline(r)[1] for r in rows]
+    axes[1].plot(epochs, [100 * (v if v is not None else math.nan) for v in scores], "o-",
+                 color="tab:green")  # fmt: skip
     if any(r.get("val_top1_ema") is not None for r in rows):
         axes[1].plot(epochs, [100 * (r.get("val_top1_ema") or 0) for r in rows], "s--", label="EMA")
         axes[1].legend()
-    axes[1].set_title("validation top-1 (%)")
+    axes[1].set_title(f"validation {'top-1' if name == 'top1' else name} (%)")
     axes[2].plot(epochs, [r["lr"] for r in rows], "o-", color="tab:purple")
     axes[2].set_title("learning rate")
     for ax in axes:

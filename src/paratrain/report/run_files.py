@@ -141,7 +141,10 @@ def summarise(
             "model": cfg.model,
             "world_size": runtime.world_size,
             "epochs": rows[-1]["epoch"] if rows else 0,  # the last epoch reached
-            "best_val_top1": max((r["val_top1"] for r in rows), default=None),
+            "best_val_top1": max(
+                (r["val_top1"] for r in rows if r.get("val_top1") is not None), default=None
+            ),
+            **_best_map(rows),
             "final": rows[-1] if rows else None,
             "skipped_steps": skipped_steps,
             "seconds": seconds,  # the epochs' (training, evaluation, saving)
@@ -154,13 +157,24 @@ def summarise(
     assert summary is not None  # rank 0's, on every rank
     if runtime.is_main:
         write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
-        best = summary["best_val_top1"]
+        name, best = (
+            ("mAP", summary["best_val_map"])
+            if summary["best_val_top1"] is None and summary.get("best_val_map") is not None
+            else ("top1", summary["best_val_top1"])
+        )
+        shown = f"{best:.2%}" if best is not None else "-"
         skipped = f", {skipped_steps} non-finite step(s) skipped" if skipped_steps else ""
         get_logger().info(  # an epoch ran (a run with none left ends in nothing_left)
-            f"done in {wall:.1f}s{_parts(first_step, seconds)}: best val top1 {best:.2%}"
+            f"done in {wall:.1f}s{_parts(first_step, seconds)}: best val {name} {shown}"
             f"{skipped}, checkpoints in {run_dir / 'checkpoints'}"
         )
     return summary
+
+
+def _best_map(rows: list[dict]) -> dict:
+    """``best_val_map``: the best mAP, where the run has several labels an image."""
+    found = [r["val_map"] for r in rows if r.get("val_map") is not None]
+    return {"best_val_map": max(found)} if found else {}
 
 
 def nothing_left(

@@ -49,6 +49,7 @@ def _row(run: Path) -> dict[str, Any]:
         status = "no epoch finished"
     world = summary.get("world_size") or (epochs[-1].get("world_size") if epochs else None)
     tops = [r["val_top1"] for r in epochs if r.get("val_top1") is not None]
+    tops = tops or [r["val_map"] for r in epochs if r.get("val_map") is not None]  # multi-label
     return {
         "run": run.name,
         "model": config.get("model"),

@@ -148,10 +148,21 @@ class DataSettings:
         metavar="START:END",
         resume="fixed_mid_epoch",
     )
+    task: str = setting(
+        "auto",
+        "one class an image (multiclass: softmax and cross-entropy) or several "
+        "(multilabel: a sigmoid per class, binary cross-entropy, mAP and F1 at a threshold "
+        "chosen on validation); auto: multilabel where the labels file or the dataset "
+        "gives several labels an image",
+        group="data",
+        choices=("auto", "multiclass", "multilabel"),
+        resume="fixed",
+        resume_why="the model's outputs would mean something else",
+    )
     monitor: str = setting(
         "auto",
-        "the validation score that picks best.pt (report/scores); auto: top1, or macro_f1 "
-        "where the classes are balanced (--balance)",
+        "the validation score that picks best.pt (report/scores); auto: top1, macro_f1 "
+        "where the classes are balanced (--balance), map with several labels an image",
         group="data",
         choices_from=SCORES,
         auto=True,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
@@ -26,21 +27,40 @@ from paratrain.errors import UserError
 from paratrain.models.registry import logits_of
 from paratrain.parallel.parts import ModelParts
 from paratrain.report.scores.base import Totals, compute_all, ranking
+from paratrain.report.scores.multilabel import choose_threshold, per_class_ap
 from paratrain.report.scores.per_class import per_class
 
 
 @dataclass(frozen=True)
 class EvalResult:
     loss: float
-    top1: float
+    top1: float | None  # None with several labels an image
     top5: float | None  # only with at least 5 classes
     count: int
     confusion: torch.Tensor | None = None  # [true, predicted] counts over every rank
     predictions: list[tuple[int, int]] | None = None  # (dataset index, predicted class)
+    # several labels an image: every image's probabilities and 0/1 labels, in the
+    # dataset's order, and the threshold chosen on them (report/scores/multilabel)
+    outputs: torch.Tensor | None = None
+    truth: torch.Tensor | None = None
+    threshold: float | None = None
 
     @property
     def totals(self) -> Totals:
-        return Totals(self.loss, self.top1, self.top5, self.count, self.confusion)
+        return Totals(self.loss, self.top1, self.top5, self.count, self.confusion,
+                      self.outputs, self.truth, self.threshold)  # fmt: skip
+
+    def row(self) -> dict[str, float | None]:
+        """The metrics row's validation columns: ``val_<score>`` for every score, and
+        ``val_threshold`` where one was chosen."""
+        row = {f"val_{name}": value for name, value in self.scores().items()}
+        if self.threshold is not None:
+            row["val_threshold"] = self.threshold
+        return row
+
+    def per_class_ap(self) -> list[float | None]:
+        """Each class's average precision (several labels an image; else empty)."""
+        return per_class_ap(self.totals)
 
     @cached_property
     def _scores(self) -> dict[str, float | None]:
@@ -51,8 +71,9 @@ class EvalResult:
         return dict(self._scores)
 
     def as_dict(self) -> dict:
-        """The totals and every score, for JSON."""
-        return {"count": self.count, **self.scores()}
+        """The totals and every score, for JSON (and the threshold, where chosen)."""
+        chosen = {"threshold": self.threshold} if self.threshold is not None else {}
+        return {"count": self.count, **self.scores(), **chosen}
 
     def per_class(self) -> list[dict[str, float | int | None]]:
         """Each class's precision, recall, F1 and support, from the exact confusion
@@ -141,14 +162,19 @@ def evaluate(
     detailed: bool = False,
     tta: bool = False,
     limit: int | None = None,
+    label_sets: np.ndarray | None = None,
 ) -> EvalResult:
     """Loss, top-1 and top-5 over every rank's shard; with ``detailed``, also the confusion
     matrix and every sample's prediction (dataset indices from the loader's sampler);
     with ``tta``, each image's logits averaged with its mirror's; with ``limit``, only
-    each rank's first ``limit`` batches (--limit-val-batches: a smoke run)."""
+    each rank's first ``limit`` batches (--limit-val-batches: a smoke run). With
+    ``label_sets`` (several labels an image, data/label_sets.py): the binary
+    cross-entropy, every image's probabilities, mAP and F1 at a chosen threshold."""
     was_training = model.training
     model.eval()
-    tally = _Tally(num_classes, detailed)
+    tally: _Tally | _LabelSetTally = (
+        _Tally(num_classes, detailed) if label_sets is None else _LabelSetTally(label_sets)
+    )
     fmt = getattr(model, "memory_format", torch.preserve_format)
     label_device = getattr(model, "output_device", None) or device
     mine = len(loader) if limit is None else min(len(loader), limit)
@@ -216,6 +242,51 @@ class _Tally:
             count=n,
             confusion=comm.all_reduce_sum(self.confusion).view(self.classes, self.classes),
             predictions=predictions,
+        )
+
+
+class _LabelSetTally:
+    """Several labels an image: this rank's per-image losses, probabilities and 0/1
+    labels; ``result`` gathers every rank's and orders them by dataset index, so the
+    scores (which rank the images) are the same at any world size."""
+
+    def __init__(self, label_sets: np.ndarray):
+        self.table = torch.as_tensor(label_sets, dtype=torch.float32)
+        self.losses: list[torch.Tensor] = []
+        self.outputs: list[torch.Tensor] = []
+        self.labels: list[torch.Tensor] = []
+
+    def add(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        truth = self.table[labels.long().cpu()]
+        logits = logits.float().cpu()
+        loss = nn.functional.binary_cross_entropy_with_logits(logits, truth, reduction="none")
+        self.losses.append(loss.double().mean(dim=1))
+        self.outputs.append(torch.sigmoid(logits))
+        self.labels.append(labels.long().cpu())
+
+    def result(self, loader: DataLoader) -> EvalResult:
+        classes = self.table.shape[1]
+        outputs = torch.cat(self.outputs) if self.outputs else torch.zeros(0, classes)
+        labels = torch.cat(self.labels) if self.labels else torch.zeros(0, dtype=torch.long)
+        losses = torch.cat(self.losses) if self.losses else torch.zeros(0, dtype=torch.float64)
+        indices = list(getattr(loader.sampler, "indices", range(len(labels))))[: len(labels)]
+        mine = (torch.tensor(indices, dtype=torch.long), outputs, labels, losses)
+        parts = comm.all_gather_object(mine)
+        order = torch.argsort(torch.cat([p[0] for p in parts]))
+        outputs = torch.cat([p[1] for p in parts])[order]
+        truth = self.table[torch.cat([p[2] for p in parts])[order]]
+        losses = torch.cat([p[3] for p in parts])[order]
+        n = len(order)
+        if n == 0:
+            return EvalResult(loss=float("nan"), top1=None, top5=None, count=0)
+        return EvalResult(
+            loss=math.fsum(losses.tolist()) / n,
+            top1=None,
+            top5=None,
+            count=n,
+            outputs=outputs,
+            truth=truth.bool(),
+            threshold=choose_threshold(outputs, truth),
         )
 
 

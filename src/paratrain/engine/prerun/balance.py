@@ -20,7 +20,7 @@ def decide(cfg: TrainConfig, labels: np.ndarray, classes: list[str]) -> TrainCon
     where the classes are balanced, else top-1."""
     counts = np.bincount(np.asarray(labels, np.int64), minlength=len(classes))
     balance = cfg.balance
-    if balance == "auto":
+    if balance == "auto" and cfg.task != "multilabel":
         present = np.flatnonzero(counts)
         large, small = present[np.argmax(counts[present])], present[np.argmin(counts[present])]
         ratio = counts[large] / max(counts[small], 1)
@@ -37,12 +37,31 @@ def decide(cfg: TrainConfig, labels: np.ndarray, classes: list[str]) -> TrainCon
     monitor = cfg.monitor
     if monitor == "auto":
         monitor = "macro_f1" if balance != "none" else "top1"
+        monitor = "map" if cfg.task == "multilabel" else monitor
+    _check_monitor(monitor, cfg.task)
     if monitor.startswith("top5") and len(classes) < 5:
         raise AgreedUserError(
             f"--monitor {monitor}: the data has {len(classes)} classes, and top-5 needs at "
             "least 5 (choose top1, macro_f1, balanced_acc or loss)"
         )
     return dataclasses.replace(cfg, balance=balance, monitor=monitor)
+
+
+MULTILABEL_MONITORS = ("map", "micro_f1", "macro_f1", "loss")
+
+
+def _check_monitor(monitor: str, task: str) -> None:
+    """A score the task has: mAP for several labels an image, top-k for one."""
+    if task == "multilabel" and monitor not in MULTILABEL_MONITORS:
+        raise AgreedUserError(
+            f"--monitor {monitor}: not a score of several labels an image (choose "
+            f"{', '.join(MULTILABEL_MONITORS)})"
+        )
+    if task != "multilabel" and monitor == "map":
+        raise AgreedUserError(
+            "--monitor map: mean average precision scores several labels an image; this "
+            "data gives one (choose top1, macro_f1, balanced_acc or loss)"
+        )
 
 
 def _tell_rare(counts: np.ndarray, classes: list[str], power: float) -> None:

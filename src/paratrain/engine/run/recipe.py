@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.optim import sgd as sgd_module  # private: checked by private_sgd_fits
@@ -19,6 +20,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from paratrain.config import TrainConfig
 from paratrain.engine.run.precision import Precision
 from paratrain.engine.run.schedule import peak_lr
+from paratrain.engine.run.task import MultiClass, MultiLabelLoss, Task, multilabel_mixer, task_of
 from paratrain.errors import AgreedUserError
 from paratrain.log import get_logger
 from paratrain.models.registry import logits_of
@@ -38,6 +40,7 @@ class Recipe:
     clip_grad: float | None = None
     freezing: Freezing | None = None  # --freeze-epochs
     teacher: Distiller | None = None  # --teacher
+    task: Task = field(default_factory=MultiClass)  # what a label means (engine/run/task)
 
     def criterion_for(self, images: torch.Tensor) -> Callable:
         """The loss of a micro-batch of ``images``: the criterion, or with a teacher the
@@ -62,10 +65,14 @@ class Recipe:
         return {
             "ema": self.ema.state_dict() if self.ema is not None else None,
             "scaler": scaler.state_dict() if scaler is not None else None,
+            "task": self.task.name,
+            "threshold": self.task.threshold,  # several labels an image: chosen on validation
         }
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         state = state or {}
+        if state.get("threshold") is not None and self.task.threshold is not None:
+            self.task.threshold = state["threshold"]
         scaler = self.precision.scaler
         if scaler is not None and state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
@@ -158,10 +165,12 @@ def build_recipe(
     precision: Precision,
     class_counts: Sequence[int] | None = None,
     teacher: nn.Module | None = None,
+    label_sets: np.ndarray | None = None,
 ) -> Recipe:
     """The recipe of ``cfg``: criterion, precision, MixUp/CutMix, EMA, accumulation,
     clipping; ``class_counts``: the training images of each class (--balance loss);
-    ``teacher``: --teacher, placed by the strategy."""
+    ``teacher``: --teacher, placed by the strategy; ``label_sets``: the table of a
+    multi-label split (data/label_sets.py)."""
     distiller = (
         Distiller(teacher, cfg.kd_alpha, cfg.kd_temperature) if teacher is not None else None
     )
@@ -170,6 +179,7 @@ def build_recipe(
         criterion=build_criterion(cfg, class_counts).to(parts.output_device),
         precision=precision,
         mixer=build_mixer(cfg, num_classes),
+        task=task_of(label_sets, parts.output_device),
         ema=EMA(parts, cfg.ema_decay) if cfg.ema_decay else None,
         grad_accum=cfg.grad_accum,
         clip_grad=cfg.clip_grad,
@@ -375,6 +385,8 @@ def build_criterion(cfg: TrainConfig, class_counts: Sequence[int] | None = None)
     """Cross-entropy; it takes class indices, or class probabilities after MixUp/CutMix.
     Under --balance loss each class weighs (1/count)^--balance-power, scaled so that the
     average image weighs 1 (the loss's size, and so the rate's, stays the unweighted one)."""
+    if cfg.task == "multilabel":
+        return MultiLabelLoss(cfg.label_smoothing)
     weight = None
     if cfg.balance == "loss" and class_counts is not None:
         weight = class_weights(class_counts, cfg.balance_power)
@@ -395,6 +407,8 @@ def build_mixer(cfg: TrainConfig, num_classes: int) -> Callable | None:
     Returns None when both are off. The mixer takes (images, labels) and returns the mixed
     images with soft targets; its randomness comes from each rank's own generator.
     """
+    if cfg.task == "multilabel":
+        return multilabel_mixer(cfg.mixup, cfg.cutmix)
     from torchvision.transforms import v2
 
     mixers = []

@@ -106,9 +106,9 @@ def _micro_steps(
         labels = labels.to(parts.output_device, non_blocking=True)
         if lap is not None:
             lap("data")
-        targets = labels
+        targets = recipe.task.targets(labels)  # several labels an image: their 0/1 rows
         if recipe.mixer is not None:  # train accuracy is then against the unmixed labels
-            images, targets = recipe.mixer(images, labels)
+            images, targets = recipe.mixer(images, targets)
         local = micro < count - 1 or not sync
         with parts.no_sync() if local else contextlib.nullcontext():
             criterion = recipe.criterion_for(images)  # with --teacher, its logits first
@@ -121,7 +121,7 @@ def _micro_steps(
         if loss is not None and logits is not None and n:  # a pipeline's last stage alone
             # has them; on the device, with scalars from the host: nothing waits
             sums[0] += loss.double() * n
-            sums[1] += (logits.argmax(1) == labels).sum()
+            sums[1] += recipe.task.correct(logits, labels)
             sums[2] += n
     parts.after_backward()
     return sums, images_seen

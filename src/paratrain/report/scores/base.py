@@ -19,10 +19,15 @@ class Totals:
     """The exact evaluation's totals over every rank."""
 
     loss: float  # the mean cross-entropy (NaN when nothing was evaluated)
-    top1: float  # the share of images right at the first guess
+    top1: float | None  # the share of images right at the first guess (None: multi-label)
     top5: float | None  # within five guesses; None with fewer than 5 classes
     count: int
     confusion: torch.Tensor | None = None  # [true, predicted] counts
+    # several labels an image: every image's probabilities and 0/1 labels [images,
+    # classes] in the images' order, and the threshold chosen on them
+    outputs: torch.Tensor | None = None
+    truth: torch.Tensor | None = None
+    threshold: float | None = None
 
 
 @dataclass(frozen=True)

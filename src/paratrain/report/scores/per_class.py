@@ -4,17 +4,24 @@ recall and F1, and their means over the classes that have validation images."""
 from __future__ import annotations
 
 from paratrain.report.scores.base import Score, Totals
+from paratrain.report.scores.multilabel import counts_at
 
 
 def per_class(totals: Totals) -> list[dict[str, float | int | None]]:
     """Each class's precision, recall, F1 and support; None where undefined (no image of
-    the class, or none predicted as it)."""
+    the class, or none predicted as it). Several labels an image: at the threshold."""
+    if totals.outputs is not None and totals.truth is not None and totals.threshold is not None:
+        hits, false_pos, false_neg = counts_at(totals.outputs, totals.truth, totals.threshold)
+        return _rows(hits, hits + false_neg, hits + false_pos)
     if totals.confusion is None:
         return []
     matrix = totals.confusion.double()
-    hits, support, predicted = matrix.diagonal(), matrix.sum(dim=1), matrix.sum(dim=0)
+    return _rows(matrix.diagonal(), matrix.sum(dim=1), matrix.sum(dim=0))
+
+
+def _rows(hits, support, predicted) -> list[dict[str, float | int | None]]:
     rows: list[dict[str, float | int | None]] = []
-    for i in range(matrix.shape[0]):
+    for i in range(len(hits)):
         precision = float(hits[i] / predicted[i]) if predicted[i] else None
         recall = float(hits[i] / support[i]) if support[i] else None
         f1 = (
