@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from imagefolders import make_image_folder
-from trainruns import env_for, run, weights
+from trainruns import run, weights
 
 pytestmark = pytest.mark.slow
 GLOBAL_BATCH = 16

@@ -37,4 +37,4 @@ def label_counts(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
 
 def names_of(number: int, table: np.ndarray, classes: Sequence[str]) -> list[str]:
     """The class names of label set ``number``."""
-    return [classes[i] for i in np.flatnonzero(table[number])]
+    return [classes[int(i)] for i in np.flatnonzero(table[number])]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,7 +26,9 @@ def format_report(report: dict) -> str:
     lines = [f"{report['count']} images on {report['world_size']} process(es): {figures}"]
     width = max(len("class"), *(len(name) for name in report["per_class"]))
     scores = report.get("per_class_scores", {})
-    lines.append(f"  {'class'.ljust(width)}  accuracy  precision  recall  F1")
+    several = report.get("threshold") is not None  # several labels an image: AP, not accuracy
+    first = "      AP" if several else "accuracy"
+    lines.append(f"  {'class'.ljust(width)}  {first}  precision  recall  F1")
     for name, accuracy in report["per_class"].items():
         if accuracy is None:
             lines.append(f"  {name.ljust(width)}  no images")
@@ -36,9 +39,40 @@ def format_report(report: dict) -> str:
             f"{share(row.get('recall')):>6}  {share(row.get('f1'))}"
         )
     lines.append(
-        f"per-class accuracy, confusion matrix and misclassified files in {report['report_dir']}"
+        f"per-class AP and F1 at threshold {report['threshold']:g}, and each image's labels, "
+        f"in {report['report_dir']}"
+        if several
+        else f"per-class accuracy, confusion matrix and misclassified files in {report['report_dir']}"
     )
     return "\n".join(lines)
+
+
+def write_label_sets_evaluation(result: Any, split: DataSplit, out: Path) -> Path:
+    """Several labels an image (``result``: an EvalResult with every image's
+    probabilities): per_class.csv (AP; precision, recall, F1 and support at the chosen
+    threshold) and labels.csv (each validation image's labels and those said)."""
+    out.mkdir(parents=True, exist_ok=True)
+    rows = result.per_class()
+    with open(out / "per_class.csv", "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["class", "ap", "precision", "recall", "f1", "support"])
+        for name, ap, row in zip(split.classes, result.per_class_ap(), rows, strict=True):
+            cells = [ap, row["precision"], row["recall"], row["f1"]]
+            writer.writerow(
+                [name, *("" if v is None else f"{v:.6f}" for v in cells), row["support"]]
+            )
+    said = result.outputs >= result.threshold
+    with open(out / "labels.csv", "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["path", "labels", "predicted"])
+        for i, (path, _) in enumerate(split.val):
+            truth, guess = result.truth[i].tolist(), said[i].tolist()
+            writer.writerow([
+                path,
+                ";".join(c for c, t in zip(split.classes, truth, strict=True) if t),
+                ";".join(c for c, g in zip(split.classes, guess, strict=True) if g),
+            ])  # fmt: skip
+    return out
 
 
 def write_evaluation(

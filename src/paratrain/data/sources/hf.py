@@ -159,7 +159,8 @@ class HFSource(Source):
                 seen.update(str(v) for v in self._split(name)[label_column])
             classes = sorted(seen, key=lambda c: (len(c), c) if c.isdigit() else (0, c))
         index = {c: i for i, c in enumerate(classes)}
-        keys, labels, sides = [], [], []
+        keys, sides = [], []
+        labels: list[Any] = []
         for side, name in enumerate(names):
             column = self._split(name)[label_column]
             for row, value in enumerate(column):

@@ -375,10 +375,19 @@ def evaluate_checkpoint(job: EvalJob, opts: EvalOptions, env: DistEnv) -> dict:
             split.val, saved, opts.batch_size, workers, runtime.rank, runtime.world_size
         )
         result = evaluate(
-            model, loader, runtime.device, len(split.classes), True, job.saved.tta == "flip"
-        )
+            model, loader, runtime.device, len(split.classes), True, job.saved.tta == "flip",
+            label_sets=split.label_sets,
+        )  # fmt: skip
         report = {**result.as_dict(), "world_size": runtime.world_size}
-        if runtime.is_main:
+        if runtime.is_main and split.multilabel:
+            from paratrain.report.evaluation import write_label_sets_evaluation
+
+            report.update(
+                per_class=dict(zip(split.classes, result.per_class_ap(), strict=True)),
+                per_class_scores=dict(zip(split.classes, result.per_class(), strict=True)),
+                report_dir=str(write_label_sets_evaluation(result, split, job.report_dir)),
+            )
+        elif runtime.is_main:
             from paratrain.report.evaluation import write_evaluation
 
             assert result.confusion is not None and result.predictions is not None

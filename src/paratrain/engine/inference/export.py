@@ -22,6 +22,7 @@ from paratrain.engine.inference.predict import (
     PT2_META,
     load_for_inference,
     need_onnx,
+    open_checkpoint,
 )
 from paratrain.errors import told_if_full
 from paratrain.files import write_atomic
@@ -55,7 +56,7 @@ def export(
     safetensors or pt (checked with the command's options)."""
     if fmt == "pt":
         return _save_checkpoint(checkpoint_path, out or default_output(checkpoint_path, fmt, ema))
-    model, cfg, classes = load_for_inference(checkpoint_path, torch.device("cpu"), ema)
+    model, cfg, classes, threshold = open_checkpoint(checkpoint_path, torch.device("cpu"), ema)
     target = Path(out) if out else default_output(checkpoint_path, fmt, ema)
     target.parent.mkdir(parents=True, exist_ok=True)
     meta = {
@@ -67,6 +68,10 @@ def export(
         "mean": list(cfg.norm_mean),
         "std": list(cfg.norm_std),
         "interpolation": cfg.interpolation,
+        # what the outputs mean: softmax over classes, or a sigmoid each and the labels
+        # at or above the threshold chosen on validation (several labels an image)
+        "task": cfg.task,
+        "threshold": threshold,
     }
     size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     with told_if_full(target, size):

@@ -49,13 +49,23 @@ def load_for_inference(
     checkpoint_path: str, device: torch.device, ema: bool = False
 ) -> tuple[torch.nn.Module, TrainConfig, list[str]]:
     """The checkpoint's model (eval mode), its config and its class names."""
+    model, cfg, classes, _ = open_checkpoint(checkpoint_path, device, ema)
+    return model, cfg, classes
+
+
+def open_checkpoint(
+    checkpoint_path: str, device: torch.device, ema: bool = False
+) -> tuple[torch.nn.Module, TrainConfig, list[str], float | None]:
+    """The checkpoint's model (eval mode), its config, its class names and, where it has
+    several labels an image, the threshold its last evaluation chose (else None)."""
     state = checkpoint.load(checkpoint_path, with_optimizer=False)
     cfg = state.train_config(checkpoint_path)
     weights = state.weights(checkpoint_path, ema)
     check_weights_fit(cfg.model, len(state.classes), cfg.train_size, weights, checkpoint_path)
     model = create_model(cfg.model, len(state.classes), cfg.train_size)
     model.load_state_dict(weights)
-    return model.to(device).eval(), cfg, state.classes
+    threshold = state.part("recipe").get("threshold") if cfg.task == "multilabel" else None
+    return model.to(device).eval(), cfg, state.classes, threshold
 
 
 @dataclass
@@ -67,6 +77,12 @@ class Inference:
     transform: Callable
     shrink: int  # the eval transform's resize: a JPEG may be decoded at reduced scale
     device: torch.device
+    threshold: float | None = None  # several labels an image: those above it are said
+
+    def probabilities(self, images: torch.Tensor) -> torch.Tensor:
+        """A softmax over the classes, or a sigmoid per class (several labels an image)."""
+        logits = self.logits(images.to(self.device)).float()
+        return logits.sigmoid() if self.threshold is not None else logits.softmax(1)
 
 
 # the ONNX graph's input and output names, and the metadata key holding paratrain's JSON
@@ -142,12 +158,14 @@ def open_model(path: str, device: torch.device, ema: bool = False) -> Inference:
         transform = eval_transform(
             meta["image_size"], meta["resize"], meta["interpolation"], meta["mean"], meta["std"]
         )
-        return Inference(run, meta["classes"], transform, meta["resize"], device)
-    model, cfg, classes = load_for_inference(path, device, ema)
+        threshold = meta.get("threshold") if meta.get("task") == "multilabel" else None
+        return Inference(run, meta["classes"], transform, meta["resize"], device, threshold)
+    model, cfg, classes, threshold = open_checkpoint(path, device, ema)
     transform = eval_transform(
         cfg.eval_crop, cfg.eval_resize, cfg.interpolation, cfg.norm_mean, cfg.norm_std
     )
-    return Inference(lambda x: logits_of(model(x)), classes, transform, cfg.eval_resize, device)
+    run = lambda x: logits_of(model(x))  # noqa: E731
+    return Inference(run, classes, transform, cfg.eval_resize, device, threshold)
 
 
 @torch.no_grad()
@@ -160,9 +178,11 @@ def predict(
     ema: bool = False,
     on_rows: Callable[[list[dict]], None] | None = None,
 ) -> tuple[list[dict], list[tuple[str, str]]]:
-    """One row per image (its path and the top-k (class, probability) pairs), and the
-    (path, why) of each image that could not be read: those are skipped, the rest
-    predicted. ``on_rows`` receives each batch's rows as soon as they are known."""
+    """One row per image (its path and the top-k (class, probability) pairs; with several
+    labels an image also ``labels``: every (class, probability) at or above the
+    threshold, highest first), and the (path, why) of each image that could not be
+    read: those are skipped, the rest predicted. ``on_rows`` receives each batch's rows
+    as soon as they are known."""
     if top_k < 1:
         raise UserError(f"--top-k must be at least 1, got {top_k}")
     model = open_model(checkpoint_path, choose_device(DistEnv(), device), ema)
@@ -185,16 +205,28 @@ def predict(
             bar.update(len(batch_paths))
             if not chunk:
                 continue
-            probabilities = model.logits(torch.stack(images).to(model.device)).float().softmax(1)
+            probabilities = model.probabilities(torch.stack(images))
             values, indices = probabilities.topk(k, dim=1)
             batch_rows = [
                 {"path": path, "top": [(classes[i], v) for i, v in zip(idx, vals, strict=True)]}
                 for path, vals, idx in zip(chunk, values.tolist(), indices.tolist(), strict=True)
             ]
+            if model.threshold is not None:
+                _above(batch_rows, probabilities, classes, model.threshold)
             rows += batch_rows
             if on_rows is not None:
                 on_rows(batch_rows)
     return rows, unreadable
+
+
+def _above(
+    rows: list[dict], probabilities: torch.Tensor, classes: list[str], threshold: float
+) -> None:
+    """Each row's ``labels``: every class at or above ``threshold``, highest first."""
+    for row, probs in zip(rows, probabilities.tolist(), strict=True):
+        said = sorted(((p, c) for c, p in zip(classes, probs, strict=True) if p >= threshold),
+                      reverse=True)  # fmt: skip
+        row["labels"], row["threshold"] = [(c, p) for p, c in said], threshold
 
 
 def check_inputs(checkpoint_path: str, inputs: Sequence[str], ema: bool = False) -> list[str]:
@@ -204,16 +236,29 @@ def check_inputs(checkpoint_path: str, inputs: Sequence[str], ema: bool = False)
 
 
 def write_csv(rows: list[dict], path: str) -> None:
-    """--csv: one row per image, each top-k class and its probability."""
+    """--csv: one row per image, each top-k class and its probability (several labels
+    an image: first the labels said, separated by ;)."""
     k = len(rows[0]["top"]) if rows else 0
-    header = ["path"] + [f"{name}_{n}" for n in range(1, k + 1) for name in ("class", "prob")]
+    several = bool(rows) and "labels" in rows[0]
+    header = ["path"] + (["labels"] if several else [])
+    header += [f"{name}_{n}" for n in range(1, k + 1) for name in ("class", "prob")]
     with open(path, "w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(header)
         for row in rows:
+            said = [";".join(c for c, _ in row["labels"])] if several else []
             writer.writerow(
-                [row["path"]] + [x for pair in row["top"] for x in (pair[0], f"{pair[1]:.6f}")]
+                [row["path"], *said]
+                + [x for pair in row["top"] for x in (pair[0], f"{pair[1]:.6f}")]
             )
+
+
+def _said(row: dict) -> str:
+    """An image's line: its top-k, or every label above the threshold."""
+    if "labels" not in row:
+        return ", ".join(f"{name} {p:.3f}" for name, p in row["top"])
+    listed = ", ".join(f"{name} {p:.3f}" for name, p in row["labels"])
+    return f"{listed or 'no label'} (at or above {row['threshold']:g})"
 
 
 def run_predict(opts: PredictOptions, say: Callable[[str], object]) -> list[dict]:
@@ -228,7 +273,7 @@ def run_predict(opts: PredictOptions, say: Callable[[str], object]) -> list[dict
 
     def tell(rows: list[dict]) -> None:  # as each batch is done, not all at the end
         for row in rows:
-            say(f"{row['path']}: " + ", ".join(f"{name} {p:.3f}" for name, p in row["top"]))
+            say(f"{row['path']}: {_said(row)}")
 
     rows, unreadable = predict(
         str(opts.checkpoint), opts.inputs, opts.top_k, opts.batch_size, opts.device, opts.ema, tell
