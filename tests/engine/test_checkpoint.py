@@ -98,6 +98,14 @@ def test_a_format_2_file_migrates_its_parts_and_its_best_with_the_monitor():
     assert again.parts.keys() == state.parts.keys() and again.best_score == state.best_score
 
 
+def test_a_checkpoint_from_before_task_trained_one_class_an_image():
+    raw = checkpoint.load(V2 / "mid-epoch.pt").to_dict()
+    raw["config"] = {k: v for k, v in raw["config"].items() if k != "task"}
+    assert Checkpoint.from_dict(raw).config["task"] == "multiclass"
+    raw["config"]["task"] = "multilabel"  # a newer one keeps its own
+    assert Checkpoint.from_dict(raw).config["task"] == "multilabel"
+
+
 def test_a_format_2_sharded_checkpoint_consolidates():
     whole = checkpoint.load(V2 / "fsdp")
     assert whole.sharded and whole.progress.epoch == 1 and whole.monitor == "top1"

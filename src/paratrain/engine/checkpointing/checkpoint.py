@@ -176,7 +176,9 @@ def migrate(raw: dict[str, Any], source: str = "checkpoint") -> dict[str, Any]:
         # what such a run trained with, before --balance and --monitor auto existed
         values["config"] = {"balance": "none", "monitor": monitor, **(values.get("config") or {})}
     values["format"] = FORMAT
-    values["config"] = migrate_settings(values.get("config") or {}, source, saved=True)
+    # a checkpoint from before --task trained one class an image
+    config = {"task": "multiclass", **(values.get("config") or {})}
+    values["config"] = migrate_settings(config, source, saved=True)
     return values
 
 

@@ -82,8 +82,10 @@ def preprocessing_words(cfg: TrainConfig) -> str:
 
 def data_words(cfg: TrainConfig, split: DataSplit) -> str:
     """The data as a run sees it: classes and images on each side of the split."""
+    sets = split.label_sets
+    several = f" (several labels an image, {len(sets)} combinations)" if sets is not None else ""
     return (
-        f"{cfg.data}: {len(split.classes)} classes, {len(split.train)} train / "
+        f"{cfg.data}: {len(split.classes)} classes{several}, {len(split.train)} train / "
         f"{len(split.val)} val images ({split.layout})"
     )
 
