@@ -48,8 +48,10 @@ def test_option_trains_to_finite_loss(small_data, tmp_path, options):
     cfg, summary, state = run(small_data, tmp_path, "r", **options)
     assert math.isfinite(summary["final"]["train_loss"])
     assert summary["final"]["val_count"] == 6
-    # the settings as the run resolved them: balanced data, so no balancing, top-1
-    assert state.config == {**cfg.to_dict(), "balance": "none", "monitor": "top1"}
+    # the settings as the run resolved them: balanced data of one class an image, so no
+    # balancing, top-1
+    resolved = {"balance": "none", "monitor": "top1", "task": "multiclass"}
+    assert state.config == {**cfg.to_dict(), **resolved}
     if cfg.opt == "adamw":
         assert "exp_avg" in next(iter(state.optimizer["state"].values()))
 
