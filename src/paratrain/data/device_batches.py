@@ -2,10 +2,15 @@
 
 On CUDA a loader process that crops, resizes and normalises every image can starve a
 fast GPU. Here the loader hands over each image as stored (the decoded cache's uint8
-pixels, or, without the cache, a JPEG file's bytes), with the crop box and flip drawn from
-the sample's own seed exactly as the CPU transform draws them; the device decodes
-(nvJPEG), crops, resizes, flips and normalises. On a CPU the same code gives the same
-tensors as the cached CPU path, bit for bit (tested), so both are one augmentation.
+pixels, padded into one batch tensor, or, without the cache, a JPEG file's bytes), with
+the crop box, the flip and the erased rectangle drawn from the sample's own seed as the
+CPU transform draws them; the device decodes (nvJPEG), then crops and resizes the whole
+batch in one ``torchvision.ops.roi_align`` (bilinear, averaging ceil(box/size) samples
+a side per output pixel where the box shrinks: an area filter in place of the per-image
+path's antialiased resize), flips, normalises and erases batch-wide. The number of
+kernels does not grow with the batch (counted with torch.profiler in the tests), except
+for an augmentation policy, which torchvision applies image by image. The pixels differ
+from the per-image path's by the filter (measured in benchmarks/augment_where.py).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
+from torchvision.ops import roi_align
 
 from paratrain.data.folder import EXIF_ORIENTATION, ImageSamples, Sample, load_rgb, seeded
 from paratrain.data.samples import Samples
@@ -35,22 +41,32 @@ class DeviceBatch:
     encoded: list[bool]
     boxes: torch.Tensor  # (B, 4) int64: top, left, height, width in the upright image
     flips: torch.Tensor  # (B,) bool
-    seeds: list[int]  # each sample's: its policy and erasing draw from policy_seed(seed)
-    augment: TrainAugment  # its apply(): crop, resize, flip, policy, normalise, erase
+    seeds: list[int]  # each sample's: its policy draws from policy_seed(seed)
+    augment: TrainAugment  # its size, policy, normalisation and eraser
+    erases: torch.Tensor | None = None  # (B, 4) int64: the erased rectangle (0s: none)
+    pixels: torch.Tensor | None = None  # (B, 3, H, W) uint8: the images padded, where
+    # none is encoded (then ``images`` are views of it)
 
     def __len__(self) -> int:
         return len(self.images)
 
     def pin_memory(self) -> DeviceBatch:
         """The DataLoader's pin-memory thread calls this: host copies then go async."""
+        if self.pixels is not None:
+            pinned = self.pixels.pin_memory()
+            views = [
+                pinned[i, :, : im.shape[-2], : im.shape[-1]] for i, im in enumerate(self.images)
+            ]
+            return replace(self, pixels=pinned, images=views)
         return replace(self, images=[image.pin_memory() for image in self.images])
 
-    def on(self, device: torch.device, memory_format: torch.memory_format) -> torch.Tensor:
-        """The augmented float batch on ``device``, in ``memory_format``."""
+    def _padded(self, device: torch.device) -> torch.Tensor:
+        """Every image on ``device`` in one (B, 3, H, W) uint8 tensor: the loader's padded
+        batch moved in one copy; JPEG bytes decoded there and padded (a copy each)."""
+        if self.pixels is not None:
+            return self.pixels.to(device, non_blocking=True)
         from torchvision.io import ImageReadMode, decode_jpeg
 
-        # JPEG bytes stay on the host: torchvision's decoder takes them there and writes
-        # the pixels on ``device``; the others are pixels, moved
         images = [
             image if encoded else image.to(device, non_blocking=True)
             for image, encoded in zip(self.images, self.encoded, strict=True)
@@ -60,13 +76,51 @@ class DeviceBatch:
             decoded = decode_jpeg([images[i] for i in which], mode=ImageReadMode.RGB, device=device)
             for i, image in zip(which, decoded, strict=True):
                 images[i] = image
-        size = self.augment.size
-        out = torch.empty(len(images), 3, size, size, device=device)
-        rows = zip(out, images, self.boxes.tolist(), self.flips.tolist(), self.seeds, strict=True)
-        for slot, image, box, flip, seed in rows:
-            with seeded(policy_seed(seed)):
-                self.augment.apply(image, box, flip, slot)
+        return pad_images(images, device)
+
+    def on(self, device: torch.device, memory_format: torch.memory_format) -> torch.Tensor:
+        """The augmented float batch on ``device``, in ``memory_format``."""
+        pixels = self._padded(device)
+        augment, size = self.augment, self.augment.size
+        batch = len(pixels)
+        top, left, height, width = self.boxes.to(device, non_blocking=True).float().unbind(1)
+        index = torch.arange(batch, device=device, dtype=torch.float32)
+        rois = torch.stack([index, left, top, left + width, top + height], dim=1)
+        out = roi_align(pixels.float(), rois, (size, size), 1.0, -1, aligned=True).round_()
+        flips = self.flips.to(device, non_blocking=True).view(batch, 1, 1, 1)
+        out = torch.where(flips, out.flip(-1), out)
+        if augment.policy is not None:  # torchvision's policies: image by image
+            crops = out.to(torch.uint8)
+            for i, seed in enumerate(self.seeds):
+                with seeded(policy_seed(seed)):
+                    crops[i] = augment.policy(crops[i])
+            out = crops.float()
+        mean, inv_std = augment._constants(device)
+        out = out.sub_(mean).mul_(inv_std)
+        if self.erases is not None:
+            out = out.masked_fill_(
+                _rectangles(self.erases.to(device, non_blocking=True), size), 0.0
+            )
         return out.contiguous(memory_format=memory_format)
+
+
+def _rectangles(boxes: torch.Tensor, size: int) -> torch.Tensor:
+    """(B, 1, size, size) True inside each (top, left, height, width) box."""
+    at = torch.arange(size, device=boxes.device)
+    top, left, height, width = (column.view(-1, 1) for column in boxes.unbind(1))
+    rows = (at >= top) & (at < top + height)
+    columns = (at >= left) & (at < left + width)
+    return (rows[:, :, None] & columns[:, None, :]).unsqueeze(1)
+
+
+def pad_images(images: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+    """(3, h, w) uint8 images in one zero-padded (B, 3, H, W) tensor (H, W: the largest)."""
+    height = max(image.shape[-2] for image in images)
+    width = max(image.shape[-1] for image in images)
+    out = torch.zeros(len(images), 3, height, width, dtype=torch.uint8, device=device)
+    for slot, image in zip(out, images, strict=True):
+        slot[:, : image.shape[-2], : image.shape[-1]] = image
+    return out
 
 
 class DeviceAugmented(ImageSamples):
@@ -102,14 +156,20 @@ class DeviceAugmented(ImageSamples):
         encoded: list[bool] = []
         boxes: list[tuple[int, int, int, int]] = []
         flips: list[bool] = []
+        erases: list[tuple[int, int, int, int]] = []
         for index, seed in keys:
             image, is_jpeg, (height, width) = self._stored(index)
             with seeded(seed):
                 box, flip = self.augment.draw(height, width)
+                erases.append(self.augment.erase_box(torch.rand(41).tolist()))
             images.append(image)
             encoded.append(is_jpeg)
             boxes.append(box)
             flips.append(flip)
+        pixels = None
+        if not any(encoded):  # one tensor, one copy to the device; the images views of it
+            pixels = pad_images(images)
+            images = [pixels[i, :, : im.shape[-2], : im.shape[-1]] for i, im in enumerate(images)]
         batch = DeviceBatch(
             images,
             encoded,
@@ -117,6 +177,8 @@ class DeviceAugmented(ImageSamples):
             torch.tensor(flips, dtype=torch.bool),
             [seed for _, seed in keys],
             self.augment,
+            torch.tensor(erases, dtype=torch.int64) if self.augment.eraser is not None else None,
+            pixels,
         )
         return batch, labels
 

@@ -143,6 +143,24 @@ class TrainAugment:
         draws = torch.rand(41).tolist()  # one call to the generator, not forty
         return self.crop_box(height, width, draws), self.hflip > 0 and draws[40] < self.hflip
 
+    def erase_box(self, draws: list[float]) -> tuple[int, int, int, int]:
+        """RandomErasing's rectangle on the ``size`` x ``size`` output (torchvision's
+        draw: probability p, 2-33% of the area, aspect 0.3-3.3, 10 tries), from 41 random
+        numbers drawn at once; (0, 0, 0, 0) where nothing is erased."""
+        eraser: Any = self.eraser
+        if eraser is None or draws[0] >= eraser.p:
+            return 0, 0, 0, 0
+        size, (low, high) = self.size, eraser.scale
+        log_ratio = (math.log(eraser.ratio[0]), math.log(eraser.ratio[1]))
+        for attempt in range(10):
+            u = draws[1 + 4 * attempt : 5 + 4 * attempt]
+            area = size * size * (low + (high - low) * u[0])
+            aspect = math.exp(log_ratio[0] + (log_ratio[1] - log_ratio[0]) * u[1])
+            h, w = int(round(math.sqrt(area * aspect))), int(round(math.sqrt(area / aspect)))
+            if h < size and w < size:
+                return int(u[2] * (size - h + 1)), int(u[3] * (size - w + 1)), h, w
+        return 0, 0, 0, 0
+
     def apply(
         self,
         image: torch.Tensor,
