@@ -148,7 +148,7 @@ def test_the_task_is_decided_from_the_data_and_a_wrong_one_is_one_line(tmp_path)
         balance.decide(
             TrainConfig(task="multilabel", monitor="top1"), several.train.labels, several.classes
         )
-    with pytest.raises(UserError, match="--monitor map: mean average precision scores several"):
+    with pytest.raises(UserError, match="--monitor map: a score of several labels an image; "):
         balance.decide(TrainConfig(monitor="map"), one.train.labels, one.classes)
 
 

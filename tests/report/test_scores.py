@@ -25,6 +25,13 @@ TOTALS = Totals(
 )  # fmt: skip
 
 
+# 4 images of 3 labels: their probabilities and labels; class 2 has no positive
+OUTPUTS = torch.tensor([[0.9, 0.2, 0.1], [0.6, 0.7, 0.3], [0.3, 0.8, 0.2], [0.2, 0.4, 0.6]])
+TRUTH = torch.tensor([[1, 0, 0], [1, 1, 0], [0, 1, 0], [0, 1, 0]], dtype=torch.bool)
+SEVERAL = Totals(loss=0.4, top1=None, top5=None, count=4, outputs=OUTPUTS, truth=TRUTH,
+                 threshold=0.5)  # fmt: skip
+
+
 def test_nothing_outside_the_scores_package_dispatches_on_a_scores_name():
     found = []
     for path in SRC.rglob("*.py"):
@@ -46,7 +53,7 @@ def test_nothing_outside_the_scores_package_dispatches_on_a_scores_name():
 def test_every_score_is_registered_computed_a_column_and_a_monitor_choice(name):
     found = score(name)
     assert isinstance(found, Score) and found.name == name
-    value = found.compute(TOTALS)
+    value = found.compute(SEVERAL if name == "map" else TOTALS)
     assert value is not None and math.isfinite(value)
     assert f"val_{name}" in COLUMNS
     TrainConfig(monitor=name).validate()  # --monitor takes it
@@ -65,6 +72,19 @@ def test_the_scores_of_known_totals():
     few = compute_all(Totals(loss=0.5, top1=1.0, top5=None, count=3))
     assert few["top5"] is None and few["top5_error"] is None  # fewer than 5 classes
     assert ranking("top5_error", None) == float("-inf")
+
+
+def test_the_scores_of_several_labels_an_image():
+    """Class 0: positives ranked 1st and 2nd (AP 1); class 1: positives at 0.8, 0.7,
+    0.4 with a negative at 0.2 (AP 1). At 0.5: 4 of 5 labels said, and one said wrong
+    (image 3's class 2): micro-F1 8/10; per class F1 1 and 0.8; class 2 has no
+    positive, so no F1, and no AP."""
+    scores = compute_all(SEVERAL)
+    assert scores["map"] == 1.0 and scores["top1"] is None and scores["top5"] is None
+    assert scores["micro_f1"] == pytest.approx(8 / 10)
+    assert scores["macro_f1"] == pytest.approx((1 + 0.8) / 2)
+    assert compute_all(TOTALS)["map"] is None  # one class an image: no mAP
+    assert compute_all(TOTALS)["micro_f1"] == TOTALS.top1
 
 
 def test_an_evaluation_result_reports_every_score_and_monitors_by_them():

@@ -10,6 +10,7 @@ import numpy as np
 from paratrain.config import TrainConfig
 from paratrain.errors import AgreedUserError
 from paratrain.log import get_logger
+from paratrain.report.scores import of_task
 
 AUTO_RATIO = 4.0  # --balance auto balances from this largest-to-smallest class ratio on
 
@@ -47,21 +48,20 @@ def decide(cfg: TrainConfig, labels: np.ndarray, classes: list[str]) -> TrainCon
     return dataclasses.replace(cfg, balance=balance, monitor=monitor)
 
 
-MULTILABEL_MONITORS = ("map", "micro_f1", "macro_f1", "loss")
-
-
 def _check_monitor(monitor: str, task: str) -> None:
-    """A score the task has: mAP for several labels an image, top-k for one."""
-    if task == "multilabel" and monitor not in MULTILABEL_MONITORS:
+    """A score the task has (report/scores.of_task): mAP for several labels an image,
+    top-k for one."""
+    if monitor in of_task(task):
+        return
+    if task == "multilabel":
         raise AgreedUserError(
             f"--monitor {monitor}: not a score of several labels an image (choose "
-            f"{', '.join(MULTILABEL_MONITORS)})"
+            f"{', '.join(of_task(task))})"
         )
-    if task != "multilabel" and monitor == "map":
-        raise AgreedUserError(
-            "--monitor map: mean average precision scores several labels an image; this "
-            "data gives one (choose top1, macro_f1, balanced_acc or loss)"
-        )
+    raise AgreedUserError(
+        f"--monitor {monitor}: a score of several labels an image; this data gives one "
+        f"class an image (choose {', '.join(of_task(task))})"
+    )
 
 
 def _tell_rare(counts: np.ndarray, classes: list[str], power: float) -> None:

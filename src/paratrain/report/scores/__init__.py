@@ -26,5 +26,17 @@ SCORES: dict[str, tuple[str, str]] = {
     ),
     "micro_f1": ("multilabel", "F1 over every (image, label) pair, at the chosen threshold"),
 }
+# the scores of a run with several labels an image (--task multilabel); "map" is theirs
+# alone, the others are a run's of one class an image
+MULTILABEL: tuple[str, ...] = ("map", "micro_f1", "macro_f1", "loss")
+
+
+def of_task(task: str) -> tuple[str, ...]:
+    """The scores a run of ``task`` has (what --monitor may pick)."""
+    if task == "multilabel":
+        return MULTILABEL
+    return tuple(name for name in SCORES if name != "map")
+
+
 # name -> what it measures, for --monitor's help
 SUMMARIES: dict[str, str] = {name: summary for name, (_, summary) in SCORES.items()}
