@@ -114,12 +114,17 @@ def _rectangles(boxes: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def pad_images(images: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
-    """(3, h, w) uint8 images in one zero-padded (B, 3, H, W) tensor (H, W: the largest)."""
+    """(3, h, w) uint8 images in one (B, 3, H, W) tensor (H, W: the largest), each padded
+    with its own last row and column: a crop at the image's edge then resizes as the
+    per-image path's does (its edge pixels repeat), not towards black."""
     height = max(image.shape[-2] for image in images)
     width = max(image.shape[-1] for image in images)
-    out = torch.zeros(len(images), 3, height, width, dtype=torch.uint8, device=device)
+    out = torch.empty(len(images), 3, height, width, dtype=torch.uint8, device=device)
     for slot, image in zip(out, images, strict=True):
-        slot[:, : image.shape[-2], : image.shape[-1]] = image
+        h, w = image.shape[-2:]
+        slot[:, :h, :w] = image
+        slot[:, h:, :w] = image[:, -1:, :]
+        slot[:, :, w:] = slot[:, :, w - 1 : w]
     return out
 
 
