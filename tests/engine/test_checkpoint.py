@@ -140,3 +140,32 @@ def test_a_resume_under_another_monitor_says_what_it_does_with_the_old_best(
     assert "the checkpoint's best was by macro_f1 (0.2222): set aside" in out
     best = checkpoint.load(tmp_path / "runs/other/checkpoints/best.pt")
     assert best.monitor == "loss" and best.best_score == pytest.approx(best.score)
+
+
+@pytest.mark.slow
+def test_background_step_saves_resume_bit_exact_after_a_crash(tmp_path, monkeypatch):
+    """--async-save: the step checkpoints are written while training goes on; a rank
+    that fails at step 9 still leaves step 8's checkpoint whole (the run waits for it
+    before ending), and the resumed run ends bit for bit as the uninterrupted one."""
+    from spawn import fit_on_rank, run_distributed
+
+    make_image_folder(tmp_path / "data", classes=3, per_class=20)
+    values = dict(
+        data=str(tmp_path / "data"), output_dir=str(tmp_path / "runs"), model="resnet18",
+        image_size=16, batch_size=4, workers=0, epochs=2, deterministic=True,
+        save_every_steps=2, async_save=True, cache_dir=str(tmp_path / "cache"),
+    )  # fmt: skip
+    run_distributed(fit_on_rank, 2, {**values, "name": "straight"})
+    monkeypatch.setenv("PARATRAIN_INJECT", "rank=1,step=9,kind=raise")
+    with pytest.raises(Exception, match="injected failure at step 9"):
+        run_distributed(fit_on_rank, 2, {**values, "name": "broken"})
+    monkeypatch.delenv("PARATRAIN_INJECT")
+    saved = checkpoint.load(tmp_path / "runs/broken/checkpoints/last.pt")
+    assert saved.progress.global_step == 8
+    run_distributed(fit_on_rank, 2, {**values, "name": "broken", "resume": "auto"})
+    ends = [
+        checkpoint.load(tmp_path / f"runs/{n}/checkpoints/last.pt").model
+        for n in ("straight", "broken")
+    ]
+    assert ends[0].keys() == ends[1].keys()
+    assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])

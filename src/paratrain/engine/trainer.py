@@ -82,7 +82,12 @@ def _train(cfg: TrainConfig, runtime: Runtime) -> dict:
                 epoch += 1
             run.loggers.finish(run.run_dir / "curves.png", last_of_run(run.run_dir))
     except KeyboardInterrupt:  # checkpoints are written whole or not at all: say which
+        run.saver.finish(failing=True)
         raise Interrupted(run.run_dir, last_of_run(run.run_dir)) from None
+    except BaseException:  # a checkpoint still being written is written before the end
+        run.saver.finish(failing=True)
+        raise
+    run.saver.finish()
     comm.barrier()
     seconds = time.perf_counter() - started
     skipped = progress.skipped_steps

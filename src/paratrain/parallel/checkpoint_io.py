@@ -3,7 +3,10 @@ their state is spread over ranks), so nothing above asks which strategy ran.
 
 * ``WHOLE``: rank 0 holds the whole state (the unwrapped model, the optimizer in the
   single-device layout every strategy shares) and writes one file, atomically
-  (``files.replaced``); best and epoch copies are hard links of it.
+  (``files.replaced``); best and epoch copies are hard links of it. In the background
+  (``background=True``: --async-save's step checkpoints) the state is first copied to
+  host memory (pinned, from CUDA) and written by one writer thread while training goes
+  on; the next save, and the run's end, wait for it (and raise what it raised).
 * ``SHARDED``: each rank writes the shards it holds through torch.distributed.checkpoint
   (parallel/sharded.py), rank 0 adding ``state.pt``; copies are folders of hard links.
 
@@ -14,6 +17,7 @@ with the tensors; ``load_into`` puts a checkpoint's model and optimizer back.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -77,9 +81,14 @@ class CheckpointIO:
         optimizer: torch.optim.Optimizer,
         rest: dict[str, Any],
         before_write: Callable[[Path], None] | None = None,
+        background: bool = False,
     ) -> None:
-        """A collective: every rank calls it."""
+        """A collective: every rank calls it. ``background``: the write may finish after
+        this returns (where the I/O can)."""
         raise NotImplementedError
+
+    def wait(self) -> None:
+        """The write still in the background, if any, finished (its error raised)."""
 
     def copy(self, source: Path, target: Path) -> None:
         """Rank 0: ``target`` becomes a copy of the checkpoint just saved at ``source``."""
@@ -108,24 +117,69 @@ class WholeIO(CheckpointIO):
 
     def __init__(self) -> None:
         self.written: dict[str, Any] | None = None  # the last state written, for copies
+        self._writer: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
 
-    def save(self, path, parts, optimizer, rest, before_write=None) -> None:
+    def save(self, path, parts, optimizer, rest, before_write=None, background=False) -> None:
         model = parts.state_dict() if comm.is_main() else {}
         optim = parts.optimizer_state_dict(optimizer) if comm.is_main() else {}
         if not comm.is_main():
             return
-        self.written = {**rest, "model": model, "optimizer": optim}
-        if before_write is not None:
-            before_write(path)
-        save_atomic(self.written, path)
+        self.wait()  # one write at a time, in order
+        state = {**rest, "model": model, "optimizer": optim}
+        if not background:
+            self.written = state
+            _write(state, path, before_write)
+            return
+        self.written = host_copy(state)  # training may now change the weights
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="paratrain-save")
+        self._pending = self._writer.submit(_write, self.written, path, before_write)
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
     def copy(self, source: Path, target: Path) -> None:
         assert self.written is not None  # copies follow a save
+        self.wait()
         copy_atomic(self.written, source, target)
 
 
+def _write(state: dict[str, Any], path: Path, before_write: Callable[[Path], None] | None) -> None:
+    if before_write is not None:
+        before_write(path)
+    save_atomic(state, path)
+
+
+def host_copy(value: Any) -> Any:
+    """``value`` (dicts, lists and tuples of tensors and plain values) with every tensor
+    copied to host memory: pinned, from a device (copied asynchronously, then waited for
+    once), or a plain clone of a CPU tensor; the rest as it is."""
+    moved: list[bool] = []
+
+    def copy(item: Any) -> Any:
+        if isinstance(item, torch.Tensor):
+            if item.device.type == "cpu":
+                return item.detach().clone()
+            moved.append(True)
+            out = torch.empty(item.shape, dtype=item.dtype, pin_memory=True)
+            return out.copy_(item.detach(), non_blocking=True)
+        if isinstance(item, dict):
+            return {key: copy(sub) for key, sub in item.items()}
+        if isinstance(item, list | tuple):
+            return type(item)(copy(sub) for sub in item)
+        return item
+
+    out = copy(value)
+    if moved and torch.cuda.is_available():
+        torch.cuda.synchronize()  # the copies landed before the writer reads them
+    return out
+
+
 class ShardedIO(CheckpointIO):
-    def save(self, path, parts, optimizer, rest, before_write=None) -> None:
+    def save(self, path, parts, optimizer, rest, before_write=None, background=False) -> None:
         sharded.save(path, parts, optimizer, rest)
 
     def copy(self, source: Path, target: Path) -> None:

@@ -162,6 +162,15 @@ class RuntimeSettings:
         low=0,
         resume="quiet",
     )
+    async_save: bool = setting(
+        False,
+        "write --save-every-steps checkpoints in a background thread: training waits only "
+        "for a copy of the state in host memory (pinned on CUDA), not for the disk; epoch "
+        "ends and stop signals still save before going on (whole-file checkpoints; "
+        "sharded ones are written as they are)",
+        group="checkpoints",
+        resume="quiet",
+    )
     deterministic: bool = setting(
         False,
         "deterministic algorithms: a resumed run ends bit for bit like an uninterrupted one on CPU",

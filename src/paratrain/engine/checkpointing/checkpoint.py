@@ -35,6 +35,7 @@ from paratrain.engine.checkpointing.run_dir import run_dir_of
 from paratrain.engine.run import faults
 from paratrain.engine.run.preempt import interrupts_deferred
 from paratrain.errors import AgreedUserError, UserError
+from paratrain.log import get_logger
 from paratrain.parallel import sharded
 from paratrain.parallel.checkpoint_io import io_for
 from paratrain.parallel.parts import ModelParts
@@ -263,7 +264,7 @@ class Checkpointer:
         self.states, self.best, self.classes = states, best, classes
         self.fault = faults.planned(runtime.rank)  # tests: a full disk at a chosen save
 
-    def save(self, progress: Any, score: float | None = None) -> None:
+    def save(self, progress: Any, score: float | None = None, background: bool = False) -> None:
         """A collective: every rank calls it (``progress``: where training stands, its
         epoch and step; ``score``: the epoch's --monitor score, after an evaluation).
         Ctrl-C meanwhile takes effect once the checkpoint is written; a write that
@@ -271,7 +272,7 @@ class Checkpointer:
         with interrupts_deferred():
             problem = None
             try:
-                self._save(progress, score)
+                self._save(progress, score, background)
             except (OSError, CheckpointException) as exc:  # a full disk, a quota, read-only
                 reason = getattr(exc, "strerror", None) or str(exc).splitlines()[0][:160]
                 problem = (
@@ -282,7 +283,18 @@ class Checkpointer:
             if told:  # every rank stops alike, and the reason is told once
                 raise AgreedUserError(told[0])
 
-    def _save(self, progress: Any, score: float | None) -> None:
+    def finish(self, failing: bool = False) -> None:
+        """A checkpoint still being written in the background (--async-save) written
+        before the run ends; ``failing``: the run is ending on an error already, so a
+        failed write is said rather than raised over it."""
+        try:
+            self.io.wait()
+        except Exception as exc:
+            if not failing:
+                raise
+            get_logger().error(f"the last checkpoint in {self.dir} was not written: {exc}")
+
+    def _save(self, progress: Any, score: float | None, background: bool = False) -> None:
         best = score is not None and self.best.offer(score)  # every rank: the same score
         parts = {name: part.state_dict() for name, part in self.states.items()}  # collectives
         rest = Checkpoint(
@@ -300,7 +312,8 @@ class Checkpointer:
         last = self.io.path(self.dir, LATEST)
         fault = self.fault
         self.io.save(last, self.model, self.optimizer, rest,
-                     lambda path: faults.disk_full(fault, progress.global_step, path))  # fmt: skip
+                     lambda path: faults.disk_full(fault, progress.global_step, path),
+                     background=background)  # fmt: skip
         if self.runtime.is_main and score is not None:
             if best:
                 self.io.copy(last, self.io.path(self.dir, BEST))

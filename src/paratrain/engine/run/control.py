@@ -137,8 +137,8 @@ class StepControl:
         every = self.cfg.save_every_steps
         if every and progress.global_step % every == 0:
             self.check(progress)  # nothing spoiled is saved; a signal is seen
-            if not self.stop_requested:
-                self.save(progress)
+            if not self.stop_requested:  # --async-save: written while training goes on
+                self.save(progress, background=self.cfg.async_save)
         if self.stop_requested:
             self.guard.reached_boundary()
             self.save(progress)
