@@ -47,7 +47,11 @@ def test_a_policy_changes_pixels_keeps_labels_and_repeats_from_its_seed(split, t
     assert torch.equal(labels, same) and not torch.equal(a, b)
     assert torch.equal(with_policy.__getitems__(keys)[0], b)  # the seed decides every draw
     device, _ = DeviceAugmented(split.train, TrainAugment(rich), cache).__getitems__(keys)
-    assert torch.equal(device.on(torch.device("cpu"), torch.contiguous_format), b)
+    on_device = device.on(torch.device("cpu"), torch.contiguous_format)
+    grey = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255
+    gaps = ((on_device - b) * grey).abs()  # the batched resize's filter, then the same policy
+    # measured 0.7-2.3 grey levels; exact zeros are erased pixels: the same rectangles
+    assert gaps.mean() < 3 and torch.equal(on_device == 0, b == 0)
     decoded, labels_decoded = DecodedSamples(split.train, TrainAugment(rich)).__getitems__(keys)
     assert decoded.shape == b.shape and torch.equal(labels_decoded, labels)  # the same one
 

@@ -188,7 +188,8 @@ def test_the_packed_cache_holds_small_jpegs_read_as_the_raw_pixels_nearly_are(tm
     assert batch.encoded == [True, True]
     on_cpu = batch.on(torch.device("cpu"), torch.contiguous_format)
     cached = CachedImages(split.train, packed, TrainAugment(24)).__getitems__([(0, 5), (1, 6)])[0]
-    assert torch.allclose(on_cpu, cached, atol=1e-5)
+    grey = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255  # the batched resize's
+    assert ((on_cpu - cached) * grey).abs().mean() < 1.5  # filter against the per-image one
     # both decoders installed give the same pixels
     stored = packed.stored(0)[0].numpy().tobytes()
     if jpeg.simplejpeg is not None:

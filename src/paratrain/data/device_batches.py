@@ -164,9 +164,9 @@ class DeviceAugmented(ImageSamples):
         erases: list[tuple[int, int, int, int]] = []
         for index, seed in keys:
             image, is_jpeg, (height, width) = self._stored(index)
-            with seeded(seed):
+            with seeded(seed):  # as the CPU path draws them (TrainAugment.sample)
                 box, flip = self.augment.draw(height, width)
-                erases.append(self.augment.erase_box(torch.rand(41).tolist()))
+                erases.append(self.augment.draw_erase() or (0, 0, 0, 0))
             images.append(image)
             encoded.append(is_jpeg)
             boxes.append(box)

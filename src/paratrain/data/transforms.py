@@ -85,16 +85,18 @@ class Augment:
         return None
 
     def eraser(self) -> Callable | None:
-        """RandomErasing on the normalised tensor, as torchvision's references do."""
+        """RandomErasing's settings (probability, area, aspect): its rectangle is drawn
+        by TrainAugment.erase_box with the crop, and set to zero on the normalised tensor,
+        as torchvision's references erase."""
         return v2.RandomErasing(self.random_erase) if self.random_erase > 0 else None
 
 
-POLICY_SEED = 0x5EED_0F_A11  # the policy's and eraser's draws: a stream of their own
+POLICY_SEED = 0x5EED_0F_A11  # the policy's draws: a stream of their own
 
 
 def policy_seed(seed: int) -> int:
-    """The seed of a sample's policy and erasing draws, apart from its crop's, so the
-    cached and the device path draw them alike (the device draws them later)."""
+    """The seed of a sample's policy draws, apart from its crop's, so the cached and the
+    device path draw them alike (the device draws them later)."""
     return seed ^ POLICY_SEED
 
 
@@ -167,8 +169,10 @@ class TrainAugment:
         box: tuple[int, int, int, int],
         flip: bool,
         out: torch.Tensor | None = None,
+        erase: tuple[int, int, int, int] | None = None,
     ) -> torch.Tensor:
-        """Crop, resize, flip and normalise ``image`` on its own device."""
+        """Crop, resize, flip, apply the policy, normalise and erase (``erase``: the
+        rectangle ``erase_box`` drew, set to zero) ``image`` on its own device."""
         top, left, height, width = box
         crop = F2.resized_crop(
             image,
@@ -187,8 +191,9 @@ class TrainAugment:
         out = crop.float() if out is None else out.copy_(crop)
         mean, inv_std = self._constants(out.device)
         out = out.sub_(mean).mul_(inv_std)
-        if self.eraser is not None:
-            out.copy_(self.eraser(out))
+        if erase is not None and erase[2] > 0:
+            top, left, height, width = erase
+            out[..., top : top + height, left : left + width] = 0.0
         return out
 
     def _constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,18 +201,25 @@ class TrainAugment:
             self.mean, self.inv_std = self.mean.to(device), self.inv_std.to(device)
         return self.mean, self.inv_std
 
+    def draw_erase(self) -> tuple[int, int, int, int] | None:
+        """The erased rectangle (``erase_box``) from the torch generator, drawn after the
+        crop and flip from the sample's seed; None without erasing."""
+        return self.erase_box(torch.rand(41).tolist()) if self.eraser is not None else None
+
     def __call__(self, image: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         box, flip = self.draw(image.shape[-2], image.shape[-1])
-        return self.apply(image, box, flip, out)
+        return self.apply(image, box, flip, out, self.draw_erase())
 
     def sample(
         self, image: torch.Tensor, seed: int, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The augmentation of one sample, every draw from its seed."""
+        """The augmentation of one sample, every draw from its seed (the policy's from a
+        stream of its own, ``policy_seed``)."""
         with seeded(seed):
             box, flip = self.draw(image.shape[-2], image.shape[-1])
+            erase = self.draw_erase()
         with seeded(policy_seed(seed)):
-            return self.apply(image, box, flip, out)
+            return self.apply(image, box, flip, out, erase)
 
 
 def to_chw(image: Image.Image) -> torch.Tensor:
