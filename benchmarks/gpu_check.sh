@@ -8,8 +8,11 @@
 # bench` ResNet-50 at 224 px, batch 256: images/s and peak memory; 4. training ResNet-50
 # from the decoded cache, end to end, as a ratio of that bench (augmented by the loader,
 # then by the GPU); 5. two processes sharing
-# the GPU through gloo; 6. what one GPU cannot show. Logs and the table go to $OUT (or a
-# temporary folder).
+# the GPU through gloo; 6. what one GPU cannot show; 7. the comparison users make: on a
+# generated set of 20,000 images, benchmarks/plain_ddp.py (torchvision's DataLoader and
+# PIL, bf16 autocast, 224 px) against paratrain's defaults, end-to-end images/s and the
+# seconds each takes to the plain loop's final accuracy, then each data path's images/s
+# (benchmarks/augment_where.py). Logs and the table go to $OUT (or a temporary folder).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -98,5 +101,35 @@ if [ "$count" -lt 2 ]; then
   row "NCCL with 2 ranks (ddp, SyncBN, fsdp, pipeline)" "n/a" "needs 2 GPUs; in tests/gpu, skipped here"
   row "split over cuda:0,cuda:1; dp over 2 GPUs" "n/a" "needs 2 GPUs (split over cuda:0,cuda:0 is tested)"
 fi
+# 7. paratrain against the plain loop, on 20,000 images (16,000 to train), ResNet-50 at
+# 224 px, batch 256, 3 epochs, bf16, 12 loader processes each; both evaluate every epoch
+"$python" - "$work/big" 20000 <<'EOF'
+import sys
+from pathlib import Path
+from concurrent.futures import ProcessPoolExecutor
+sys.path.insert(0, "benchmarks")
+from vs_plain_loop import make_folder
+root, count = Path(sys.argv[1]), int(sys.argv[2])
+with ProcessPoolExecutor() as pool:
+    list(pool.map(make_folder, [root] * 16, [count] * 16, range(16), [16] * 16))
+EOF
+start=$("$python" -c "import time; print(time.time())")
+timeout 420 "$python" benchmarks/plain_ddp.py "$work/big" --device cuda --bf16 --model resnet50 \
+  --image-size 224 --batch-size 256 --workers 12 --epochs 3 --eval-every-epoch > "$out/plain.log" 2>&1
+code=$?
+"$python" benchmarks/versus_plain.py plain "$out/plain.log" "$start" > "$out/plain.txt" 2>&1 || code=1
+read -r plain target reached < "$out/plain.txt"
+row "plain loop: resnet50 224px bf16, 20k images" "$(verdict $code)" "$plain img/s; final top1 $target at ${reached}s"
+train big --model resnet50 --image-size 224 --batch-size 256 --epochs 3 --workers 12 \
+  --precision bf16-mixed --data "$work/big"
+code=$?
+read -r ours ratio sooner < <("$python" benchmarks/versus_plain.py ours \
+  "$work/runs/big/metrics.jsonl" "$plain" "$target" 2>/dev/null || echo "? ? ?")
+row "paratrain defaults, same run (target 2x)" "$(verdict $code)" "$ours img/s = ${ratio}x the plain loop; its top1 at ${sooner}s"
+timeout 120 "$python" benchmarks/augment_where.py --device cuda --image-size 224 --batch 256 \
+  --images 2000 > "$out/augment_where.log" 2>&1
+row "data paths at batch 256 (loader/batched/per-image)" "$(verdict $?)" "$(tail -n 1 "$out/augment_where.log" | tr -s ' ')"
+row "DALI loader" "n/a" "not built: no NVIDIA DALI wheel where it was written"
+
 echo
 echo "table: $table; logs in $out"
