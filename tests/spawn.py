@@ -1,7 +1,8 @@
-"""The one spawn helper for multi-process tests: N gloo processes on a free port.
+"""The one spawn helper for multi-process tests: N gloo processes that meet through a file.
 
 ``run_distributed(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` in every
-process with the process group initialised, and returns the per-rank results. A failure
+process with the process group initialised (through a file store: no port is taken),
+and returns the per-rank results. A failure
 in any rank fails the call with that rank's traceback; the group is always destroyed.
 """
 
@@ -36,8 +37,14 @@ def _entry(rank, world_size, port, fn, args, out_dir, per_node):
         GROUP_RANK=str(rank // per_node),
     )
     torch.set_num_threads(1)
+    # the group meets through a file, not a port: a port picked free here could be taken,
+    # before rank 0 binds it, by a launcher of another test running beside this one
     dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120)
+        "gloo",
+        init_method=f"file://{Path(out_dir) / 'store'}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=120),
     )
     try:
         result = fn(rank, world_size, *args)
