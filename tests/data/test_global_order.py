@@ -17,7 +17,7 @@ def _ranks(n: int, world: int, batch: int, accum: int = 1, consumed: int = 0, ep
     """Every rank's GlobalBatches over a TrainSampler of ``n`` images, set to ``epoch``."""
     out = []
     for rank in range(world):
-        sampler = TrainSampler(n, rank, world, seed=5)
+        sampler = TrainSampler(n, rank, world, seed=5, padded=False)
         sampler.set_epoch(epoch, consumed)
         out.append(GlobalBatches(sampler, batch, accum))
     return out
@@ -125,7 +125,7 @@ def test_balanced_draws_keep_their_global_order():
     for world in (1, 4):
         ranks = []
         for rank in range(world):
-            sampler = BalancedSampler(labels, rank, world, seed=1, power=1.0)
+            sampler = BalancedSampler(labels, rank, world, seed=1, power=1.0, padded=False)
             sampler.set_epoch(2)
             ranks.append(GlobalBatches(sampler, 8 // world))
         steps.append([sorted(i for i, _ in s) for s in _steps(ranks)])

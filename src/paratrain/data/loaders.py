@@ -356,7 +356,8 @@ def make_loaders(
         sampler.node_share(-(-longest // local[1]) * local[1], nodes_of(runtime))
         replica, replicas = local
     else:
-        sampler = train_sampler(labels, replica, replicas, cfg.seed, cfg.ra_reps, power)
+        padded = cfg.order == "padded"  # --order global: no image twice in an epoch
+        sampler = train_sampler(labels, replica, replicas, cfg.seed, cfg.ra_reps, power, padded)
     batches = _train_batches(cfg, sampler, replicas, len(train_set), local is not None, fixed_batch)
     train = DataLoader(
         train_set,

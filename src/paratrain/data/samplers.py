@@ -30,12 +30,19 @@ class TrainSampler(Sampler[tuple[int, int]]):
     """
 
     def __init__(
-        self, dataset_len: int, rank: int, world_size: int, seed: int = 0, repeats: int = 1
+        self,
+        dataset_len: int,
+        rank: int,
+        world_size: int,
+        seed: int = 0,
+        repeats: int = 1,
+        padded: bool = True,
     ):
         self.n, self.rank, self.world_size, self.seed = dataset_len, rank, world_size, seed
         self.repeats = repeats
         self.epoch, self.consumed = 0, 0
-        self.length = math.ceil(dataset_len / world_size) * world_size  # padded
+        # padded to a multiple of the ranks; unpadded for --order global (GlobalBatches)
+        self.length = math.ceil(dataset_len / world_size) * world_size if padded else dataset_len
         self.nodes = 1  # orders like this one, on as many nodes (node_share)
 
     def node_share(self, length: int, nodes: int) -> None:
@@ -107,8 +114,9 @@ class BalancedSampler(TrainSampler):
         seed: int = 0,
         power: float = 0.5,
         repeats: int = 1,
+        padded: bool = True,
     ):
-        super().__init__(len(labels), rank, world_size, seed, repeats)
+        super().__init__(len(labels), rank, world_size, seed, repeats, padded)
         labels = np.asarray(labels, np.int64)
         self.counts = np.bincount(labels) if len(labels) else np.zeros(0, np.int64)
         self.quotas = balanced_quotas(self.counts, len(labels), power)
@@ -192,8 +200,8 @@ class GlobalBatches(Sampler):
     a stand-in weighted zero, so every rank runs the same forwards and collectives."""
 
     def __init__(self, sampler: TrainSampler, batch_size: int, accum: int = 1):
+        assert sampler.length == sampler.n, "an unpadded order (padded=False)"
         self.sampler, self.batch_size, self.accum = sampler, batch_size, accum
-        sampler.length = sampler.n  # unpadded: no image twice in an epoch
 
     @property
     def _micro(self) -> int:
@@ -246,12 +254,14 @@ def train_sampler(
     seed: int,
     repeats: int = 1,
     balance_power: float | None = None,
+    padded: bool = True,
 ) -> TrainSampler:
     """The training sampler of one shard of ``replicas``: class-balanced where
-    ``balance_power`` is given (--balance sampler)."""
+    ``balance_power`` is given (--balance sampler); ``padded``: to a multiple of the
+    ranks (torch's DistributedSampler), not for --order global."""
     if balance_power is not None:
-        return BalancedSampler(labels, rank, world_size, seed, balance_power, repeats)
-    return TrainSampler(len(labels), rank, world_size, seed, repeats)
+        return BalancedSampler(labels, rank, world_size, seed, balance_power, repeats, padded)
+    return TrainSampler(len(labels), rank, world_size, seed, repeats, padded)
 
 
 class ShardedEvalSampler(Sampler[int]):
