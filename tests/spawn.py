@@ -2,8 +2,8 @@
 
 ``run_distributed(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` in every
 process with the process group initialised (through a file store: no port is taken),
-and returns the per-rank results. A failure
-in any rank fails the call with that rank's traceback; the group is always destroyed.
+and returns the per-rank results. A failure in any rank fails the call with every
+failed rank's traceback (RanksFailed); the group is always destroyed.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import datetime
 import os
 import socket
 import tempfile
+import traceback
 from pathlib import Path
 
 import torch
@@ -49,23 +50,38 @@ def _entry(rank, world_size, port, fn, args, out_dir, per_node):
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, Path(out_dir) / f"{rank}.pt")
+    except BaseException:  # every rank's own error kept: which reaches the parent first is a race
+        (Path(out_dir) / f"{rank}.err").write_text(traceback.format_exc())
+        raise
     finally:
         dist.destroy_process_group()
+
+
+class RanksFailed(Exception):
+    """Some rank of ``run_distributed`` failed: every failed rank's traceback, in rank order."""
 
 
 def run_distributed(fn, world_size: int, *args, per_node: int | None = None):
     """``per_node``: the ranks pose as nodes of that many processes each (LOCAL_RANK,
     LOCAL_WORLD_SIZE and GROUP_RANK as torchrun sets them on several machines)."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(
-            _entry,
-            args=(world_size, free_port(), fn, args, out_dir, per_node),
-            nprocs=world_size,
-            join=True,
-            # fork: children share the parent's imported torch (seconds saved per rank);
-            # each child sets one intra-op thread before any parallel work.
-            start_method="fork",
-        )
+        try:
+            mp.start_processes(
+                _entry,
+                args=(world_size, free_port(), fn, args, out_dir, per_node),
+                nprocs=world_size,
+                join=True,
+                # fork: children share the parent's imported torch (seconds saved per
+                # rank); each child sets one intra-op thread before any parallel work.
+                start_method="fork",
+            )
+        except mp.ProcessRaisedException as first:
+            told = [
+                f"rank {r}: {(Path(out_dir) / f'{r}.err').read_text()}"
+                for r in range(world_size)
+                if (Path(out_dir) / f"{r}.err").is_file()
+            ]
+            raise RanksFailed("\n".join(told) or str(first)) from first
         return [
             torch.load(Path(out_dir) / f"{r}.pt", weights_only=False) for r in range(world_size)
         ]

@@ -16,10 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.multiprocessing import ProcessRaisedException
 
 from imagefolders import make_image_folder
-from spawn import fit_on_rank, run_distributed
+from spawn import RanksFailed, fit_on_rank, run_distributed
 
 pytestmark = pytest.mark.slow
 GLOBAL_BATCH = 16
@@ -74,7 +73,7 @@ def test_resumed_from_4_processes_on_2_it_ends_as_one_process_does(root, one_pro
     once, and the weights are one process's."""
     every = {"save_every_steps": 1}
     monkeypatch.setenv("PARATRAIN_INJECT", "rank=1,step=4,kind=raise")
-    with pytest.raises(ProcessRaisedException):  # rank 1 failed, or another saw it go
+    with pytest.raises(RanksFailed, match=r"(?s)rank 1: .*injected failure at step 4"):
         run_distributed(fit_on_rank, 4, _values(root, "moved", 4, **every))
     monkeypatch.delenv("PARATRAIN_INJECT")
     state = torch.load(root / "runs/moved/checkpoints/last.pt", weights_only=False)
@@ -92,3 +91,14 @@ def test_padded_order_at_4_processes_ends_elsewhere(root, one_process):
     process's."""
     run_distributed(fit_on_rank, 4, {**_values(root, "padded4", 4), "order": "padded"})
     assert _worst(_weights(root, "padded4"), one_process)[0] > 100 * TOLERANCE
+
+
+def test_the_start_line_says_the_order_is_global(root, capsys):
+    from paratrain.cli import main
+
+    argv = ["train", "--data", str(root / "data"), "--order", "global", "--nproc", "4"]
+    assert main([*argv, "--batch-size", "4", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "global batch: 16 (4 x 4 replica(s)); order global: the same steps at any world size" in out
+    )

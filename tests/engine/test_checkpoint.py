@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.multiprocessing import ProcessRaisedException
 
 from imagefolders import make_image_folder
 from paratrain.cli import main
@@ -148,7 +147,7 @@ def test_background_step_saves_resume_bit_exact_after_a_crash(tmp_path, monkeypa
     """--async-save: the step checkpoints are written while training goes on; a rank
     that fails at step 9 still leaves step 8's checkpoint whole (the run waits for it
     before ending), and the resumed run ends bit for bit as the uninterrupted one."""
-    from spawn import fit_on_rank, run_distributed
+    from spawn import RanksFailed, fit_on_rank, run_distributed
 
     make_image_folder(tmp_path / "data", classes=3, per_class=20)
     values = dict(
@@ -158,7 +157,7 @@ def test_background_step_saves_resume_bit_exact_after_a_crash(tmp_path, monkeypa
     )  # fmt: skip
     run_distributed(fit_on_rank, 2, {**values, "name": "straight"})
     monkeypatch.setenv("PARATRAIN_INJECT", "rank=1,step=9,kind=raise")
-    with pytest.raises(ProcessRaisedException):  # rank 1 failed, or rank 0 saw it go
+    with pytest.raises(RanksFailed, match=r"(?s)rank 1: .*injected failure at step 9"):
         run_distributed(fit_on_rank, 2, {**values, "name": "broken"})
     monkeypatch.delenv("PARATRAIN_INJECT")
     saved = checkpoint.load(tmp_path / "runs/broken/checkpoints/last.pt")
