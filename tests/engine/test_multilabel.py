@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, TensorDataset
 
 from paratrain.config import TrainConfig
-from paratrain.data.label_sets import encode, label_counts, names_of
+from paratrain.data.label_sets import encode, label_counts
 from paratrain.data.samplers import ShardedEvalSampler
 from paratrain.engine.run.task import (
     MultiClass,
@@ -76,7 +76,6 @@ def test_label_sets_number_each_distinct_combination():
     ids, table = encode([[2, 0], [1], [0, 2], [0, 2, 2]], 3)
     assert ids.tolist() == [0, 1, 0, 0] and table.tolist() == [[1, 0, 1], [0, 1, 0]]
     assert label_counts(ids, table).tolist() == [3, 1, 3]
-    assert names_of(0, table, ["a", "b", "c"]) == ["a", "c"]
 
 
 def test_the_task_looks_targets_up_and_scores_each_label():

@@ -33,8 +33,3 @@ def label_counts(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
     """How many of the images ``ids`` carry each class."""
     sets = np.bincount(ids, minlength=len(table)) if len(ids) else np.zeros(len(table), np.int64)
     return sets @ table.astype(np.int64)
-
-
-def names_of(number: int, table: np.ndarray, classes: Sequence[str]) -> list[str]:
-    """The class names of label set ``number``."""
-    return [classes[int(i)] for i in np.flatnonzero(table[number])]

@@ -12,6 +12,7 @@ import torch
 
 from paratrain.config import TrainConfig
 from paratrain.data.folder import DataSplit
+from paratrain.data.label_sets import label_counts
 from paratrain.data.loaders import Loaders, keep_sides, make_loaders, prepare_data, read_split
 from paratrain.distributed import comm
 from paratrain.distributed.runtime import Runtime, seed_everything
@@ -90,7 +91,11 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
     cfg = balance.decide(cfg, split.train.labels, split.classes)  # --balance, --monitor auto
     parts = build_parts(cfg, len(split.classes), runtime)
     optimizer = build_optimizer(parts, cfg, parts.replicas)
-    counts = np.bincount(split.train.labels, minlength=len(split.classes))
+    counts = (  # each class's training images (several labels an image: from their sets)
+        np.bincount(split.train.labels, minlength=len(split.classes))
+        if split.label_sets is None
+        else label_counts(split.train.labels, split.label_sets)
+    )
     precision = precision_module.build(cfg, runtime)
     teacher = build_teacher(cfg, len(split.classes), runtime)  # --teacher
     recipe = build_recipe(cfg, parts, len(split.classes), precision, counts.tolist(), teacher,

@@ -18,7 +18,7 @@ from paratrain.distributed import comm
 from paratrain.distributed.runtime import Runtime
 from paratrain.files import write_atomic
 from paratrain.log import get_logger, since_start
-from paratrain.report.metrics import MetricsWriter
+from paratrain.report.metrics import MetricsWriter, headline
 
 
 def write_run_files(cfg: TrainConfig, split: DataSplit, run_dir: Path) -> None:
@@ -157,11 +157,8 @@ def summarise(
     assert summary is not None  # rank 0's, on every rank
     if runtime.is_main:
         write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
-        name, best = (
-            ("mAP", summary["best_val_map"])
-            if summary["best_val_top1"] is None and summary.get("best_val_map") is not None
-            else ("top1", summary["best_val_top1"])
-        )
+        name = headline(rows[-1])[0]  # top-1, or mAP with several labels an image
+        best = summary["best_val_map"] if name == "mAP" else summary["best_val_top1"]
         shown = f"{best:.2%}" if best is not None else "-"
         skipped = f", {skipped_steps} non-finite step(s) skipped" if skipped_steps else ""
         get_logger().info(  # an epoch ran (a run with none left ends in nothing_left)

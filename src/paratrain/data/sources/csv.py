@@ -21,6 +21,7 @@ import csv
 import json
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +46,7 @@ class _Row:
     label: str
     side: str
 
-    @property
+    @cached_property
     def names(self) -> list[str]:
         """The row's label names (several where separated by ``;`` or ``|``)."""
         text = self.label

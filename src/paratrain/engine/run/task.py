@@ -15,8 +15,6 @@ import numpy as np
 import torch
 from torch import nn
 
-TASKS = ("multiclass", "multilabel")
-
 
 class MultiClass:
     """One class an image: the labels are the targets."""
