@@ -169,3 +169,22 @@ def test_background_step_saves_resume_bit_exact_after_a_crash(tmp_path, monkeypa
     ]
     assert ends[0].keys() == ends[1].keys()
     assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
+
+
+@pytest.mark.slow
+def test_an_fsdp_run_with_background_step_saves_ends_with_its_last_step_written(tmp_path):
+    """--async-save under fsdp: step checkpoints through DCP's async save, finished by the
+    next save; the run's end leaves a whole sharded checkpoint of its last step."""
+    from spawn import fit_on_rank, run_distributed
+
+    make_image_folder(tmp_path / "data", classes=3, per_class=20)
+    values = dict(
+        data=str(tmp_path / "data"), output_dir=str(tmp_path / "runs"), model="resnet18",
+        image_size=16, batch_size=4, workers=0, epochs=1, strategy="fsdp", name="a",
+        save_every_steps=2, async_save=True, cache_dir=str(tmp_path / "cache"),
+    )  # fmt: skip
+    run_distributed(fit_on_rank, 2, values)
+    folder = tmp_path / "runs/a/checkpoints/last"
+    saved = checkpoint.load(folder)
+    assert saved.sharded and saved.progress.global_step == 6  # 48 training images / (4 x 2)
+    assert not list(folder.parent.glob(".*.tmp"))  # no save left half-way

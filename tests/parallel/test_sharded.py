@@ -155,3 +155,28 @@ def test_a_pipeline_checkpoint_loads_into_fsdp_which_saves_again(tmp_path):
         torch.testing.assert_close(
             loaded["optimizer"]["state"][index]["momentum_buffer"], slots["momentum_buffer"]
         )
+
+
+def _save_fsdp_in_background(rank: int, world: int, folder: str) -> dict:
+    """A background save, then a step that changes every weight before it is finished:
+    the folder holds the weights as they were when the save returned."""
+    parts, optimizer = _parts(_cfg("fsdp"))
+    _train_steps(parts, optimizer)
+    saved = {"model": {k: v.clone() for k, v in parts.state_dict().items()}}
+    rest = {"lr": 0.125, "config": {}, "classes": []}
+    pending = sharded.save_async(Path(folder), parts, optimizer, rest)
+    _train_steps(parts, optimizer, steps=1)
+    written_before = (Path(folder) / sharded.STATE).exists()
+    pending.finish()
+    return {**saved, "state_before_finish": written_before}
+
+
+def test_a_background_fsdp_save_keeps_the_weights_of_when_it_returned(tmp_path):
+    folder = tmp_path / "last"
+    saved = run_distributed(_save_fsdp_in_background, 2, str(folder))[0]
+    assert not saved["state_before_finish"]  # the folder moves into place once finished
+    assert len(list(folder.glob("*.distcp"))) == 2
+    consolidated = load(folder)
+    assert consolidated.lr == 0.125 and consolidated.sharded
+    for key, value in saved["model"].items():
+        torch.testing.assert_close(consolidated.model[key], value, rtol=0, atol=0, msg=key)

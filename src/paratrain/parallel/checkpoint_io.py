@@ -9,6 +9,8 @@ their state is spread over ranks), so nothing above asks which strategy ran.
   on; the next save, and the run's end, wait for it (and raise what it raised).
 * ``SHARDED``: each rank writes the shards it holds through torch.distributed.checkpoint
   (parallel/sharded.py), rank 0 adding ``state.pt``; copies are folders of hard links.
+  In the background, DCP's async save stages the shards in host memory and writes them
+  from its own thread; the next save, and the run's end, finish it on every rank.
 
 Either is given the checkpoint's other parts as a plain dict (``rest``) and writes them
 with the tensors; ``load_into`` puts a checkpoint's model and optimizer back.
@@ -179,8 +181,20 @@ def host_copy(value: Any) -> Any:
 
 
 class ShardedIO(CheckpointIO):
+    def __init__(self) -> None:
+        self._pending: sharded.Pending | None = None
+
     def save(self, path, parts, optimizer, rest, before_write=None, background=False) -> None:
-        sharded.save(path, parts, optimizer, rest)
+        self.wait()  # one save at a time, in order
+        if background:
+            self._pending = sharded.save_async(path, parts, optimizer, rest)
+        else:
+            sharded.save(path, parts, optimizer, rest)
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.finish()
 
     def copy(self, source: Path, target: Path) -> None:
         sharded.link_copy(source, target)

@@ -101,17 +101,85 @@ def save(directory: Path, parts: ModelParts, optimizer: torch.optim.Optimizer, r
     """A collective: every rank writes its shards into a temporary folder, rank 0 adds
     ``state.pt`` (``rest``: the checkpoint's other parts, engine/checkpointing/checkpoint.Checkpoint),
     then renames the folder into place (the old one is removed after)."""
+    tmp = _fresh_tmp(directory)
+    flat, groups = parts.sharded_state(optimizer)
+    dcp.save(flat, checkpoint_id=tmp)
+    _finish(tmp, directory, {**rest, "optimizer_groups": parts.gather_groups(groups)})
+
+
+class Pending:
+    """A sharded save whose shards are still being written (``save_async``)."""
+
+    def __init__(self, future: Any, tmp: Path, directory: Path, state: dict) -> None:
+        self.future, self.tmp, self.directory, self.state = future, tmp, directory, state
+
+    def finish(self) -> None:
+        """A collective: every rank's shards written, then ``state.pt`` and the rename as
+        ``save`` does; a rank whose write failed makes every rank raise the same error."""
+        problem = None
+        try:
+            self.future.result()
+        except Exception as exc:  # an OSError, or DCP's CheckpointException around one
+            problem = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else repr(exc)
+        told = [p for p in comm.all_gather_object(problem) if p]
+        if told:
+            if comm.is_main():
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            raise OSError(f"a background sharded save failed: {told[0]}")
+        _finish(self.tmp, self.directory, self.state)
+
+
+_SAVE_GROUP: list[Any] = []  # the gloo group background saves meet in, made once
+
+
+def save_async(
+    directory: Path, parts: ModelParts, optimizer: torch.optim.Optimizer, rest: dict
+) -> Pending:
+    """``save`` with the shards copied to host memory (pinned from CUDA) before it returns
+    and written by DCP's background thread (torchtitan's async checkpointing). That thread
+    meets the other ranks in a gloo group of its own, so its collectives never interleave
+    with training's. ``Pending.finish`` completes it."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    tmp = _fresh_tmp(directory)
+    flat, groups = parts.sharded_state(optimizer)
+    state = {**rest, "optimizer_groups": parts.gather_groups(groups)}
+    if comm.is_dist() and not _SAVE_GROUP:
+        import torch.distributed as dist
+
+        _SAVE_GROUP.append(dist.new_group(backend="gloo"))
+    cuda = torch.cuda.is_available()
+    stager = DefaultStager(StagingOptions(cuda, False, False, cuda))
+    future = dcp.async_save(
+        flat,
+        checkpoint_id=tmp,
+        process_group=_SAVE_GROUP[0] if _SAVE_GROUP else None,
+        async_stager=stager,
+        no_dist=not comm.is_dist(),
+    )
+    staged = getattr(future, "staging_completion", None)
+    if staged is not None:  # the copy is done: training may now change the weights
+        staged.result()
+    future = getattr(future, "upload_completion", future)
+    future.add_done_callback(lambda _: stager.close())
+    return Pending(future, tmp, directory, state)
+
+
+def _fresh_tmp(directory: Path) -> Path:
+    """The empty temporary folder a save writes into (every rank waits for it)."""
     tmp = directory.with_name(f".{directory.name}.tmp")
     if comm.is_main():
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     comm.barrier()
-    flat, groups = parts.sharded_state(optimizer)
-    dcp.save(flat, checkpoint_id=tmp)
-    groups = parts.gather_groups(groups)
+    return tmp
+
+
+def _finish(tmp: Path, directory: Path, state: dict) -> None:
+    """Rank 0: ``state.pt`` into the written folder, then the folder into place."""
     if comm.is_main():
         with replaced(tmp / STATE) as handle:
-            torch.save({**rest, "optimizer_groups": groups, "sharded": True}, handle)
+            torch.save({**state, "sharded": True}, handle)
         swap_in(tmp, directory)
     comm.barrier()
 

@@ -166,8 +166,8 @@ class RuntimeSettings:
         False,
         "write --save-every-steps checkpoints in a background thread: training waits only "
         "for a copy of the state in host memory (pinned on CUDA), not for the disk; epoch "
-        "ends and stop signals still save before going on (whole-file checkpoints; "
-        "sharded ones are written as they are)",
+        "ends and stop signals still save before going on (sharded checkpoints: through "
+        "torch.distributed.checkpoint's async save)",
         group="checkpoints",
         resume="quiet",
     )
