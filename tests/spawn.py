@@ -12,6 +12,7 @@ import datetime
 import os
 import socket
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
@@ -65,26 +66,43 @@ def run_distributed(fn, world_size: int, *args, per_node: int | None = None):
     """``per_node``: the ranks pose as nodes of that many processes each (LOCAL_RANK,
     LOCAL_WORLD_SIZE and GROUP_RANK as torchrun sets them on several machines)."""
     with tempfile.TemporaryDirectory() as out_dir:
-        try:
-            mp.start_processes(
-                _entry,
-                args=(world_size, free_port(), fn, args, out_dir, per_node),
-                nprocs=world_size,
-                join=True,
-                # fork: children share the parent's imported torch (seconds saved per
-                # rank); each child sets one intra-op thread before any parallel work.
-                start_method="fork",
-            )
-        except mp.ProcessRaisedException as first:
+        context = mp.start_processes(
+            _entry,
+            args=(world_size, free_port(), fn, args, out_dir, per_node),
+            nprocs=world_size,
+            join=False,
+            # fork: children share the parent's imported torch (seconds saved per
+            # rank); each child sets one intra-op thread before any parallel work.
+            start_method="fork",
+        )
+        _wait_all(context.processes)
+        failed = [r for r, p in enumerate(context.processes) if p.exitcode != 0]
+        if failed:
             told = [
                 f"rank {r}: {(Path(out_dir) / f'{r}.err').read_text()}"
-                for r in range(world_size)
                 if (Path(out_dir) / f"{r}.err").is_file()
+                else f"rank {r}: exited with {context.processes[r].exitcode}"
+                for r in failed
             ]
-            raise RanksFailed("\n".join(told) or str(first)) from first
+            raise RanksFailed("\n".join(told))
         return [
             torch.load(Path(out_dir) / f"{r}.pt", weights_only=False) for r in range(world_size)
         ]
+
+
+def _wait_all(processes, grace: float = 30.0) -> None:
+    """Every rank ended. A rank that fails leaves the others to end as they would in a
+    job (their collectives with it fail; they finish what they were writing), as torchrun
+    does within its own grace period; those still running ``grace`` seconds after the
+    first failure are stopped."""
+    failed_at = None
+    while any(p.is_alive() for p in processes):
+        if failed_at is None and any(p.exitcode not in (None, 0) for p in processes):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > grace:
+            for p in processes:
+                p.kill()
+        next(p for p in processes if p.is_alive()).join(0.1)
 
 
 def in_single_process(fn, *args):

@@ -110,8 +110,9 @@ def save(directory: Path, parts: ModelParts, optimizer: torch.optim.Optimizer, r
 class Pending:
     """A sharded save whose shards are still being written (``save_async``)."""
 
-    def __init__(self, future: Any, tmp: Path, directory: Path, state: dict) -> None:
-        self.future, self.tmp, self.directory, self.state = future, tmp, directory, state
+    def __init__(self, future: Any, stager: Any, tmp: Path, directory: Path, state: dict) -> None:
+        self.future, self.stager = future, stager
+        self.tmp, self.directory, self.state = tmp, directory, state
 
     def finish(self) -> None:
         """A collective: every rank's shards written, then ``state.pt`` and the rename as
@@ -121,6 +122,8 @@ class Pending:
             self.future.result()
         except Exception as exc:  # an OSError, or DCP's CheckpointException around one
             problem = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else repr(exc)
+        finally:
+            self.stager.close()
         told = [p for p in comm.all_gather_object(problem) if p]
         if told:
             if comm.is_main():
@@ -150,19 +153,14 @@ def save_async(
         _SAVE_GROUP.append(dist.new_group(backend="gloo"))
     cuda = torch.cuda.is_available()
     stager = DefaultStager(StagingOptions(cuda, False, False, cuda))
-    future = dcp.async_save(
+    future = dcp.async_save(  # a Future: staging is synchronous, done when it returns
         flat,
         checkpoint_id=tmp,
         process_group=_SAVE_GROUP[0] if _SAVE_GROUP else None,
         async_stager=stager,
         no_dist=not comm.is_dist(),
     )
-    staged = getattr(future, "staging_completion", None)
-    if staged is not None:  # the copy is done: training may now change the weights
-        staged.result()
-    future = getattr(future, "upload_completion", future)
-    future.add_done_callback(lambda _: stager.close())
-    return Pending(future, tmp, directory, state)
+    return Pending(future, stager, tmp, directory, state)
 
 
 def _fresh_tmp(directory: Path) -> Path:
