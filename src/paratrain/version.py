@@ -23,7 +23,12 @@ def install_extra(extra: str) -> str:
     except (metadata.PackageNotFoundError, ValueError):
         found = {}
     url = found.get("url", "")
+    index = f" --extra-index-url {EXTRA_INDEXES[extra]}" if extra in EXTRA_INDEXES else ""
     if url.startswith("file://") and "dir_info" in found:
         editable = "-e " if found["dir_info"].get("editable") else ""
-        return f"pip install {editable}'{unquote(urlparse(url).path)}[{extra}]'"
-    return f"pip install 'paratrain[{extra}]'"
+        return f"pip install {editable}'{unquote(urlparse(url).path)}[{extra}]'{index}"
+    return f"pip install 'paratrain[{extra}]'{index}"
+
+
+# extras whose packages live on another index than PyPI
+EXTRA_INDEXES = {"dali": "https://pypi.nvidia.com"}

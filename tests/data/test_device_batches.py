@@ -19,7 +19,7 @@ from imagefolders import make_image_folder
 from paratrain import TrainConfig, train
 from paratrain.data.cache.build import prepare
 from paratrain.data.cache.read import CachedImages
-from paratrain.data.device_batches import DeviceAugmented, DeviceBatch, faster_on_device
+from paratrain.data.device_batches import DeviceAugmented, DeviceBatch
 from paratrain.data.folder import build_split, load_rgb
 from paratrain.data.transforms import TrainAugment, to_chw
 from paratrain.distributed.env import DistEnv
@@ -180,37 +180,69 @@ def test_a_jpeg_turned_by_its_exif_orientation_is_decoded_in_the_loader(tmp_path
     assert batch.on(torch.device("cpu"), torch.contiguous_format).shape == (5, 3, 16, 16)
 
 
-def test_auto_augments_cached_images_in_the_loader_and_decodes_on_a_gpu_where_faster(
-    split, monkeypatch
-):
-    """--augment-on auto: from the cache, the loader (measured faster on a GPU machine with
-    cores to spare); without it, JPEGs go to a GPU only where decoding there is faster."""
-    from paratrain.data import loaders
+def test_auto_feeds_the_way_measured_fastest_on_a_gpu_and_the_loader_on_a_cpu(split, monkeypatch):
+    """--augment-on auto on a GPU: each way timed on a few images, the fastest taken and
+    its figures said; on a CPU, the loader, unmeasured. Given ways are taken as given."""
+    from paratrain.data import feed
 
-    measured = []
-    monkeypatch.setattr(
-        loaders, "decode_faster_on_device", lambda *a: measured.append(a[1].type) or True
-    )
+    measured: list[str] = []
+    costs = {"loader": 4e-4, "device": 1e-4, "dali": 5e-5}
+
+    def per_image(way, *args):
+        measured.append(way)
+        return costs[way]
+
+    monkeypatch.setattr(feed, "_per_image", per_image)
+    monkeypatch.setattr(feed.dali, "available", lambda: "not installed")
     gpu = SimpleNamespace(device=torch.device("cuda", 0))
     cpu = SimpleNamespace(device=torch.device("cpu"))
-    cache = object()
 
-    def where(augment_on, runtime, cached):
-        cfg = TrainConfig(augment_on=augment_on)
-        return loaders.augment_on_device(cfg, split, runtime, cache if cached else None, 2)
+    def chosen(runtime, **given):
+        return feed.choose_feed(TrainConfig(**given), split, runtime, None, 4, list, None)
 
-    assert not where("auto", gpu, cached=True) and not where("cpu", gpu, cached=True)
-    assert where("device", gpu, cached=True) and where("device", cpu, cached=True)
-    assert not measured  # with the cache nothing is decoded, nothing measured
-    assert where("auto", gpu, cached=False) and measured == ["cuda"]
-    assert not where("auto", cpu, cached=False) and where("device", cpu, cached=False)
-    assert not where("cpu", gpu, cached=False) and measured == ["cuda"]
+    auto = chosen(gpu)
+    assert (auto.where, measured) == ("device", ["loader", "device"])  # DALI not installed
+    assert auto.words() == (
+        "augmented on the device, batch-wide (measured per image: loader 0.4 ms, device 0.1 ms; "
+        "4 loader process(es))"
+    )
+    monkeypatch.setattr(feed.dali, "available", lambda: None)
+    assert chosen(gpu).where == "dali" and measured[-3:] == ["loader", "device", "dali"]
+    assert chosen(gpu, loader="torch").where == "device"  # --loader torch: DALI not measured
+    costs["loader"] = 1e-5
+    assert chosen(gpu).where == "loader"
+    measured.clear()
+    assert chosen(cpu).where == "loader" and not measured
+    assert chosen(cpu, augment_on="device").where == "device"
+    assert chosen(gpu, augment_on="cpu").words() == "augmented in the loader (--augment-on cpu)"
+    assert chosen(cpu, loader="dali").where == "dali" and not measured
 
 
-def test_decoding_moves_to_the_device_only_where_it_is_faster():
-    assert faster_on_device(cpu_seconds=4e-3, device_seconds=2e-4, workers=8)
-    assert not faster_on_device(cpu_seconds=4e-3, device_seconds=2e-3, workers=8)
-    assert not faster_on_device(cpu_seconds=1e-3, device_seconds=2e-3, workers=0)
+def test_loader_dali_without_the_package_is_one_line_naming_the_extra(monkeypatch):
+    from paratrain.data import feed
+    from paratrain.engine.prerun.preflight import check_extras
+    from paratrain.errors import UserError
+
+    monkeypatch.setattr(feed.dali, "available", lambda: "the nvidia.dali package is not installed")
+    with pytest.raises(UserError, match=r"^--loader dali needs the nvidia.dali package: pip "
+                       r"install .*\[dali\]'? --extra-index-url https://pypi.nvidia.com$"):  # fmt: skip
+        check_extras(TrainConfig(loader="dali"))
+    with pytest.raises(UserError, match="--loader dali: the nvidia.dali package is not installed"):
+        feed.choose_feed(TrainConfig(loader="dali"), None, None, None, 0, list, None)
+
+
+def test_a_measurement_times_each_way_on_the_training_images(split):
+    """The real timing on a CPU device (what a GPU run measures, there on CUDA)."""
+    from paratrain.data import feed
+    from paratrain.data.transforms import Augment, DecodedSamples, TrainAugment
+
+    augment = TrainAugment(Augment.of(TrainConfig(image_size=16)))
+    device = torch.device("cpu")
+    for way in ("loader", "device"):
+        seconds = feed._per_image(
+            way, split, device, None, 2, lambda: DecodedSamples(split.train, augment), augment
+        )
+        assert 0 < seconds < 1.0, way
 
 
 def _run(on_nonfinite: str, sync_free: bool):

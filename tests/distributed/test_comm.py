@@ -107,7 +107,18 @@ def test_ddp_is_tuned_and_static_unless_accumulating():
             assert torch.equal(a, b)  # gradients averaged on every step, static or not
 
 
-def _compiled_steps(rank, world_size, compiled, grad_accum):
+class _Block(torch.nn.Module):
+    """A small residual block: two of them make the model's repeated blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.norm = torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return x + torch.relu(self.norm(self.conv(x)))
+
+
+def _compiled_steps(rank, world_size, compiled, grad_accum, scope="model"):
     from torch import nn
 
     from paratrain.config import TrainConfig
@@ -116,12 +127,14 @@ def _compiled_steps(rank, world_size, compiled, grad_accum):
     from paratrain.parallel.parallelize import parallelize
 
     runtime = Runtime(env=detect(os.environ), device=torch.device("cpu"), backend="gloo")
-    config = TrainConfig(compile=compiled, grad_accum=grad_accum)
+    config = TrainConfig(compile=compiled, grad_accum=grad_accum, compile_scope=scope)
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Conv2d(3, 8, 3),
         nn.BatchNorm2d(8),
         nn.ReLU(),
+        _Block(),
+        _Block(),
         nn.AdaptiveAvgPool2d(1),
         nn.Flatten(),
         nn.Linear(8, 3),
@@ -135,14 +148,22 @@ def _compiled_steps(rank, world_size, compiled, grad_accum):
                 parts(torch.randn(4, 3, 12, 12)).square().mean().backward()
         grads.append([p.grad.clone() for p in model.parameters()])
         model.zero_grad(set_to_none=True)
-    return grads, sorted(parts.state_dict()), type(parts[0]).__name__
+    compiled_blocks = [i for i, m in enumerate(model) if "_compiled_call_impl" in vars(m)]
+    return grads, sorted(parts.state_dict()), type(parts[0]).__name__, compiled_blocks
 
 
-def test_compiled_ddp_gives_eager_gradients_with_and_without_accumulation():
-    for grad_accum in (1, 2):
+@pytest.mark.parametrize(("scope", "accums"), [("model", (1, 2)), ("blocks", (2,))])
+def test_compiled_ddp_gives_eager_gradients_with_and_without_accumulation(scope, accums):
+    """Compiled around DDP (``model``), or each repeated block in place inside it
+    (``blocks``): the gradients are eager's, and so are the state dict's keys."""
+    for grad_accum in accums:
         eager = run_distributed(_compiled_steps, 2, False, grad_accum)
-        compiled = run_distributed(_compiled_steps, 2, True, grad_accum)
-        assert compiled[0][2] == "OptimizedModule" and eager[0][2] == "DistributedDataParallel"
+        compiled = run_distributed(_compiled_steps, 2, True, grad_accum, scope)
+        assert eager[0][2] == "DistributedDataParallel" and eager[0][3] == []
+        if scope == "model":
+            assert compiled[0][2] == "OptimizedModule" and compiled[0][3] == []
+        else:  # DDP around the model, its two blocks compiled in place
+            assert compiled[0][2] == "DistributedDataParallel" and compiled[0][3] == [3, 4]
         assert compiled[0][1] == eager[0][1]  # unified state dict keys, no _orig_mod.
         for rank in (0, 1):
             for got, want in zip(compiled[rank][0], eager[rank][0], strict=True):

@@ -335,3 +335,33 @@ def test_two_ranks_over_nccl(tmp_path, data, strategy):
     assert done.returncode == 0, done.stderr
     summary = json.loads((tmp_path / f"runs/{strategy}/summary.json").read_text())
     assert summary["world_size"] == 2 and summary["final"]["val_count"] == 6
+
+
+@pytest.mark.parametrize("cache", ["off", "packed"])
+def test_dali_feeds_a_run_from_the_files_and_from_the_packed_cache(tmp_path, data, cache):
+    """--loader dali on CUDA: nvJPEG decodes each crop's region of the files' (or the
+    packed cache's) JPEGs; the run trains and evaluates every validation image once, and
+    its crops are the roi_align path's within a few grey levels."""
+    pytest.importorskip(
+        "nvidia.dali",
+        reason="NVIDIA DALI is not installed here (pip install paratrain[dali] "
+        "--extra-index-url https://pypi.nvidia.com)",
+    )
+    from dataclasses import replace as swapped
+
+    from paratrain.data import dali
+    from paratrain.data.device_batches import DeviceAugmented
+    from paratrain.data.folder import build_split
+    from paratrain.data.transforms import TrainAugment
+
+    summary = train(TrainConfig(data=str(data), loader="dali", cache=cache, name=cache,
+                                output_dir=str(tmp_path / "runs"), **_run()))  # fmt: skip
+    assert summary["final"]["val_count"] == 6 and math.isfinite(summary["final"]["train_loss"])
+    split = build_split(data)
+    batch, _ = DeviceAugmented(split.train, TrainAugment(32, 0.3), dali=True).__getitems__(
+        [(i, 900 + i) for i in range(8)]
+    )
+    by_dali = dali.crops(batch, CUDA).float()
+    by_roi = swapped(batch, dali=False)._crops(CUDA)
+    assert by_dali.shape == by_roi.shape == (8, 3, 32, 32)
+    assert (by_dali - by_roi).abs().mean() < 6

@@ -90,6 +90,18 @@ def test_a_strategy_refuses_what_it_does_not_take_in_one_line():
         get("hsdp").layout(TrainConfig(), 6, per_node=4)
     with pytest.raises(UserError, match="start 2 or more"):
         get("hsdp").check_settings(TrainConfig(strategy="hsdp"), 1)
+    with pytest.raises(
+        UserError,
+        match="--activation-checkpointing works with --strategy ddp, fsdp, hsdp, not pipeline",
+    ):
+        get("pipeline").check_settings(
+            TrainConfig(strategy="pipeline", activation_checkpointing=True), 2
+        )
+    blocks = TrainConfig(strategy="dp", compile=True, compile_scope="blocks")
+    with pytest.raises(UserError, match="--compile-scope blocks does not work with --strategy dp"):
+        get("dp").check_settings(blocks, 1)
+    assert get("dp").compile_scope(TrainConfig(strategy="dp", compile=True)) == "model"
+    assert get("ddp").compile_scope(TrainConfig(compile=True)) == "blocks"
 
 
 @pytest.mark.parametrize("name", ["fsdp", "hsdp"])

@@ -252,6 +252,7 @@ def _estimate(cfg: TrainConfig, devices: int, batch: int | None = None) -> list:
         cfg.schedule,
         model_name=cfg.model,
         teacher=plan.teacher_of(cfg, 10),
+        checkpointed=cfg.activation_checkpointing,
     )
 
 

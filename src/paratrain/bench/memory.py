@@ -58,20 +58,28 @@ def estimate(
     model_name: str = "model",
     autocast: torch.dtype | None = None,
     teacher: nn.Module | None = None,
+    checkpointed: bool = False,
 ) -> list[DeviceMemory]:
     """The most any one device needs, for each strategy at ``devices`` devices (each
     strategy's own estimate, parallel/<name>.py), fastest first; activations as saved
     under ``autocast`` (the run's mixed precision), weights and optimizer state fp32.
     With a ``teacher`` (--teacher), its fp32 weights as each strategy places them, and
-    only the strategies that take one."""
+    only the strategies that take one. ``checkpointed`` (--activation-checkpointing):
+    the repeated blocks keep their inputs only, and only the strategies that take it."""
+    from paratrain.parallel.regions import repeated_blocks
+
     sample = partition.sample_images(image_size, PROFILE_BATCH)
     traced, starts = partition.plan_stages(
         model, devices, sample, model_name=model_name, autocast=autocast
     )
+    blocks = frozenset(name for name, _ in repeated_blocks(model)) if checkpointed else frozenset()
     profile = MemoryProfile(
-        model, traced, starts, batch, PROFILE_BATCH, devices, slots, microbatches, schedule
-    )
+        model, traced, starts, batch, PROFILE_BATCH, devices, slots, microbatches, schedule,
+        checkpointed=blocks & set(traced.names),
+    )  # fmt: skip
     rows = [row for name in STRATEGIES if (row := strategy_of(name).memory(profile)) is not None]
+    if checkpointed:
+        rows = [r for r in rows if "activation_checkpointing" in strategy_of(r.strategy).takes]
     if teacher is not None:
         weights = sum(p.numel() * 4 for p in teacher.parameters())
         placed = [(row, strategy_of(row.strategy).teacher_bytes(weights, devices)) for row in rows]
@@ -103,8 +111,8 @@ def recommend(rows: list[DeviceMemory], device_memory: int, devices: int) -> tup
     least = min(rows, key=lambda r: r.total)
     return None, (
         f"nothing fits {_gib(device_memory)} per device; the least is {least.strategy} at "
-        f"{_gib(least.total)}: use more devices, a smaller --batch-size, or bf16 "
-        f"(activations about half)"
+        f"{_gib(least.total)}: use more devices, a smaller --batch-size, bf16 "
+        f"(activations about half), or --activation-checkpointing (ddp, fsdp, hsdp)"
     )
 
 
@@ -274,6 +282,7 @@ def plan(cfg: TrainConfig, opts: PlanOptions) -> tuple[dict, str]:
         model_name=cfg.model,
         autocast=AUTOCAST.get(mode),
         teacher=teacher_of(cfg, opts.classes),
+        checkpointed=cfg.activation_checkpointing,
     )
     choice, why = recommend(rows, limit, opts.devices)
     result = {
@@ -283,6 +292,7 @@ def plan(cfg: TrainConfig, opts: PlanOptions) -> tuple[dict, str]:
         "devices": opts.devices,
         "device_memory": limit,
         "precision": mode,
+        "activation_checkpointing": cfg.activation_checkpointing,
         "rows": as_dict(rows),
         "recommended": choice,
         "why": why,
@@ -290,7 +300,8 @@ def plan(cfg: TrainConfig, opts: PlanOptions) -> tuple[dict, str]:
     mine = "" if given else " (this machine's; --device-memory for another)"
     heading = (
         f"{cfg.model} at {cfg.image_size}px, batch {cfg.batch} per device, "
-        f"{cfg.opt}, {mode} ({how}), {opts.devices} device(s) of {opts.device_memory}{mine}:"
+        f"{cfg.opt}, {mode} ({how}), {opts.devices} device(s) of {opts.device_memory}{mine}"
+        f"{', activation checkpointing' if cfg.activation_checkpointing else ''}:"
     )
     return result, format_plan(rows, limit, opts.devices, choice, why, heading)
 

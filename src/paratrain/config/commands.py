@@ -41,6 +41,8 @@ STEP_SETTINGS = (
     "bucket_cap_mb",
     "memory_format",
     "compile",
+    "compile_scope",
+    "activation_checkpointing",
 )
 BENCH_SETTINGS = (*STEP_SETTINGS, "nproc")
 PLAN_SETTINGS = (
@@ -53,6 +55,7 @@ PLAN_SETTINGS = (
     "microbatches",
     "schedule",
     "precision",
+    "activation_checkpointing",
 )
 
 

@@ -46,6 +46,7 @@ class DeviceBatch:
     erases: torch.Tensor | None = None  # (B, 4) int64: the erased rectangle (0s: none)
     pixels: torch.Tensor | None = None  # (B, 3, H, W) uint8: the images padded, where
     # none is encoded (then ``images`` are views of it)
+    dali: bool = False  # --loader dali: DALI decodes, crops, resizes and flips (data/dali.py)
 
     def __len__(self) -> int:
         return len(self.images)
@@ -80,15 +81,28 @@ class DeviceBatch:
 
     def on(self, device: torch.device, memory_format: torch.memory_format) -> torch.Tensor:
         """The augmented float batch on ``device``, in ``memory_format``."""
+        if self.dali and all(self.encoded):
+            from paratrain.data import dali
+
+            out = dali.crops(self, device).float()
+        else:
+            out = self._crops(device)
+        return self._finish(out, device).contiguous(memory_format=memory_format)
+
+    def _crops(self, device: torch.device) -> torch.Tensor:
+        """Every image's crop, resized and flipped: one roi_align over the padded batch."""
         pixels = self._padded(device)
-        augment, size = self.augment, self.augment.size
-        batch = len(pixels)
+        size, batch = self.augment.size, len(pixels)
         top, left, height, width = self.boxes.to(device, non_blocking=True).float().unbind(1)
         index = torch.arange(batch, device=device, dtype=torch.float32)
         rois = torch.stack([index, left, top, left + width, top + height], dim=1)
         out = roi_align(pixels.float(), rois, (size, size), 1.0, -1, aligned=True).round_()
         flips = self.flips.to(device, non_blocking=True).view(batch, 1, 1, 1)
-        out = torch.where(flips, out.flip(-1), out)
+        return torch.where(flips, out.flip(-1), out)
+
+    def _finish(self, out: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The crops (float, 0-255) given their policy, normalised and erased."""
+        augment, size = self.augment, self.augment.size
         if augment.policy is not None:  # torchvision's policies: image by image
             crops = out.to(torch.uint8)
             for i, seed in enumerate(self.seeds):
@@ -101,7 +115,7 @@ class DeviceBatch:
             out = out.masked_fill_(
                 _rectangles(self.erases.to(device, non_blocking=True), size), 0.0
             )
-        return out.contiguous(memory_format=memory_format)
+        return out
 
 
 def _rectangles(boxes: torch.Tensor, size: int) -> torch.Tensor:
@@ -132,10 +146,16 @@ class DeviceAugmented(ImageSamples):
     """Training samples read as stored, for a DeviceBatch: from the decoded cache (its
     uint8 pixels), or from their files (a JPEG's bytes; other formats decoded here)."""
 
-    def __init__(self, samples: Samples | Sequence[Sample], transform: TrainAugment, cache=None):
+    def __init__(
+        self,
+        samples: Samples | Sequence[Sample],
+        transform: TrainAugment,
+        cache=None,
+        dali: bool = False,
+    ):
         super().__init__(samples, transform)
         self.augment = transform
-        self.cache = cache
+        self.cache, self.dali = cache, dali
         self.rows = cache.slots(self.samples) if cache is not None else np.zeros(0, np.int64)
 
     def _stored(self, index: int) -> tuple[torch.Tensor, bool, tuple[int, int]]:
@@ -184,6 +204,7 @@ class DeviceAugmented(ImageSamples):
             self.augment,
             torch.tensor(erases, dtype=torch.int64) if self.augment.eraser is not None else None,
             pixels,
+            self.dali,
         )
         return batch, labels
 
@@ -195,36 +216,3 @@ def to_model(
     if isinstance(images, DeviceBatch):
         return images.on(device, memory_format)
     return images.to(device, non_blocking=True, memory_format=memory_format)
-
-
-def faster_on_device(cpu_seconds: float, device_seconds: float, workers: int) -> bool:
-    """Whether decoding a JPEG on the device outpaces the loader processes decoding on
-    the CPU side by side (seconds per image each way)."""
-    return device_seconds * max(workers, 1) < cpu_seconds
-
-
-def decode_faster_on_device(samples: Samples, device: torch.device, workers: int) -> bool:
-    """Time both decoders on a few of the training JPEGs (after one warm-up each)."""
-    from torchvision.io import ImageReadMode, decode_jpeg
-
-    if device.type != "cuda":
-        return False
-    source = samples.source
-    first = [samples.keys[i] for i in range(min(64, len(samples)))]
-    read = {key: source.read(key) if source else Path(key).read_bytes() for key in first}
-    sample = [key for key in first if read[key].startswith(JPEG_MAGIC)][:16]
-    if len(sample) < 4:
-        return False
-    raw = [torch.frombuffer(bytearray(read[key]), dtype=torch.uint8) for key in sample]
-    load_rgb(sample[0], None, source)
-    start = time.perf_counter()
-    for key in sample:
-        load_rgb(key, None, source)
-    cpu = (time.perf_counter() - start) / len(sample)
-    decode_jpeg(raw[:2], device=device, mode=ImageReadMode.RGB)
-    torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    decode_jpeg(raw, device=device, mode=ImageReadMode.RGB)
-    torch.cuda.synchronize(device)
-    gpu = (time.perf_counter() - start) / len(sample)
-    return faster_on_device(cpu, gpu, workers)

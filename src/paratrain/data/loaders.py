@@ -18,7 +18,8 @@ from paratrain.config import TrainConfig
 from paratrain.data.builtin import default_cache_dir
 from paratrain.data.cache.build import prepare
 from paratrain.data.cache.read import CachedImages, DecodedCache, cached_eval_transform
-from paratrain.data.device_batches import DeviceAugmented, decode_faster_on_device
+from paratrain.data.device_batches import DeviceAugmented
+from paratrain.data.feed import Feed, choose_feed
 from paratrain.data.folder import (
     DataSplit,
     ImageSamples,
@@ -39,6 +40,7 @@ from paratrain.data.scan import screen
 from paratrain.data.sources.base import Source, open_source
 from paratrain.data.transforms import (
     Augment,
+    AugmentedSamples,
     DecodedSamples,
     TrainAugment,
     batched,
@@ -76,27 +78,6 @@ def decode_workers(cfg: TrainConfig, runtime: Runtime) -> int:
         return 0
     cores = min(8, threads_per_process(runtime.env.local_world_size))
     return max(cfg.workers or 0, cores if cores > 1 else 0)
-
-
-def augment_on_device(
-    cfg: TrainConfig, split: DataSplit, runtime: Runtime, cache: DecodedCache | None, workers: int
-) -> bool:
-    """Whether training images are augmented where the model is (--augment-on).
-
-    ``device``: always from the cache; without it, on CUDA, JPEGs go over as bytes where
-    decoding them there outpaces the loader processes (measured on a few), and on a CPU
-    (the same code, as the tests run it). ``auto``: the loader processes, except that
-    without the cache JPEGs are decoded on CUDA where measured faster. From the cache the
-    loader wins on a GPU machine with cores to spare: on an H200 with 16 cores, ResNet-50
-    at 224 px trained at 2,900 images/s with the loader augmenting and 1,360 with the
-    GPU doing it, whose one training thread then does a few small kernels per image."""
-    if cfg.augment_on == "cpu" or (cfg.augment_on == "auto" and cache is not None):
-        return False
-    if cache is not None:
-        return True
-    if runtime.device.type != "cuda":
-        return cfg.augment_on == "device"
-    return decode_faster_on_device(split.train, runtime.device, workers)
 
 
 def nodes_of(runtime: Runtime) -> int:
@@ -280,6 +261,7 @@ class Loaders:
     sampler: TrainSampler  # the training order: set_epoch(epoch, consumed) each epoch
     workers: int  # loader processes per rank
     cache: DecodedCache | None  # what training reads, where it reads a cache
+    feed: Feed = Feed("loader", "as built")  # where training images are augmented, and why
 
     def step_plan(self, step: int) -> StepPlan | None:
         """How the ``step``-th step since the epoch (re)started weighs its micro-batches
@@ -334,13 +316,18 @@ def make_loaders(
     validation batches of its exact shard; ``fixed_batch``: drop a short last batch."""
     workers = loader_workers(cfg, runtime, cached=cache is not None)
     augment = TrainAugment(Augment.of(cfg))
-    train_set: ImageSamples
-    if augment_on_device(cfg, split, runtime, cache, workers):
-        train_set = DeviceAugmented(split.train, augment, cache)
-    elif cache is not None:
-        train_set = CachedImages(split.train, cache, augment)
-    else:
-        train_set = DecodedSamples(split.train, augment)
+
+    def on_cpu() -> AugmentedSamples:
+        if cache is not None:
+            return CachedImages(split.train, cache, augment)
+        return DecodedSamples(split.train, augment)
+
+    feed = choose_feed(cfg, split, runtime, cache, workers, on_cpu, augment)
+    train_set = (
+        DeviceAugmented(split.train, augment, cache, dali=feed.where == "dali")
+        if feed.on_device
+        else on_cpu()
+    )
     labels = split.train.labels
     power = cfg.balance_power if cfg.balance == "sampler" else None  # --balance sampler
     local = node_local(split, runtime)
@@ -371,7 +358,7 @@ def make_loaders(
     val = validation_loader(
         split.val, cfg, cfg.batch, workers, replica, replicas, cache, runtime.device.type == "cuda"
     )
-    return Loaders(train, val, sampler, workers, cache)
+    return Loaders(train, val, sampler, workers, cache, feed)
 
 
 def _train_batches(

@@ -199,7 +199,8 @@ def _announce(cfg, runtime, split, loaders, recipe, run_dir, resume_from) -> Non
         world=runtime.world_size,
         cuda=runtime.device.type == "cuda",
         backend=runtime.backend,
-        data=data_words(cfg, split) + f", {loaders.workers} loader worker(s)",
+        data=data_words(cfg, split)
+        + f", {loaders.workers} loader worker(s); {loaders.feed.words()}",
         precision=recipe.precision.mode,
         cache=f"{loaders.cache.kind} ({loaders.cache.directory})"
         if loaders.cache is not None

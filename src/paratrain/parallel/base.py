@@ -64,6 +64,7 @@ class MemoryProfile:
     microbatches: int = 4
     schedule: str = "1f1b"
     blocks: list[int] = field(default_factory=list)  # parameter bytes of each block
+    checkpointed: frozenset[str] = frozenset()  # units whose activations are recomputed
 
     @property
     def units(self) -> list[Unit]:
@@ -83,8 +84,12 @@ class MemoryProfile:
 
     @property
     def saved(self) -> float:
-        """Activations of the whole model at ``batch``."""
-        return sum(u.activation_bytes for u in self.units) * self.scale
+        """Activations of the whole model at ``batch``. A checkpointed unit keeps its
+        input only, and backward holds one such unit's activations at a time again."""
+        kept = [u.input_bytes if u.name in self.checkpointed else u.activation_bytes
+                for u in self.units]  # fmt: skip
+        again = [u.activation_bytes for u in self.units if u.name in self.checkpointed]
+        return (sum(kept) + max(again, default=0)) * self.scale
 
     @property
     def workspace(self) -> float:
@@ -96,6 +101,10 @@ class MemoryProfile:
 FEATURES = {
     "ema": ("--ema-decay", lambda cfg: cfg.ema_decay is not None),
     "compile": ("--compile", lambda cfg: cfg.compile),
+    "activation_checkpointing": (
+        "--activation-checkpointing",
+        lambda cfg: cfg.activation_checkpointing,
+    ),
     "grad_compression": ("--grad-compression", lambda cfg: cfg.grad_compression != "none"),
     "sync_bn": ("--sync-bn", lambda cfg: cfg.sync_bn),
     "fp16": ("--precision 16-mixed", lambda cfg: cfg.precision == "16-mixed"),
@@ -117,6 +126,7 @@ class Strategy:
     min_devices: ClassVar[int] = 1  # the devices its layout needs (plan: 2 to partition)
     speed_order: ClassVar[int] = 100  # --strategy auto takes the lowest that fits
     takes: ClassVar[frozenset[str]] = frozenset(FEATURES)
+    compiles_blocks: ClassVar[bool] = True  # --compile-scope blocks (modules compiled in place)
     torch_apis: ClassVar[tuple[str, ...]] = ()  # newer torch it calls (torch_api.FEATURES)
 
     # ---------------------------------------------------------------- settings, machine
@@ -131,6 +141,7 @@ class Strategy:
             if feature not in self.takes and on(cfg):
                 others = ", ".join(self._takers(feature))
                 raise UserError(f"{flag} works with --strategy {others}, not {self.name}")
+        self.compile_scope(cfg)
         self.check_own(cfg, world)
         if self.one_process and (world or 1) > 1:
             raise UserError(
@@ -153,6 +164,18 @@ class Strategy:
 
     def check_own(self, cfg: TrainConfig, world: int | None) -> None:
         """The rules of the settings only this strategy reads (--stages, --devices ...)."""
+
+    def compile_scope(self, cfg: TrainConfig) -> str:
+        """What --compile compiles under this strategy: ``blocks`` or ``model``."""
+        if cfg.compile_scope == "auto":
+            return "blocks" if self.compiles_blocks else "model"
+        if cfg.compile_scope == "blocks" and not self.compiles_blocks:
+            raise UserError(
+                f"--compile-scope blocks does not work with --strategy {self.name} (its "
+                "modules are copied every step, their compiled forwards with them); use "
+                "--compile-scope model"
+            )
+        return cfg.compile_scope
 
     def _takers(self, feature: str) -> list[str]:
         return [name for name in STRATEGIES if feature in get(name).takes]

@@ -42,6 +42,7 @@ class DataParallelStrategy(Strategy):
     one_process = True
     one_process_hint = "it drives every GPU from one process; --strategy ddp runs one per GPU"
     takes = frozenset({"ema", "compile", "fp16"})
+    compiles_blocks = False  # replicate() copies each module's compiled forward, bound to the first
 
     def check_machine(self, cfg: TrainConfig, world: int) -> None:
         check_available(world)

@@ -182,7 +182,7 @@ class FSDP(Strategy):
     fewer_hint = "in one process use --strategy ddp"
     min_devices = 2
     speed_order = 1
-    takes = frozenset({"sync_bn", "teacher"})
+    takes = frozenset({"sync_bn", "teacher", "activation_checkpointing"})
     torch_apis = ("DTensor", "fully_shard", "init_device_mesh")
 
     def layout(self, cfg: TrainConfig, world: int, rank: int = 0, per_node: int = 0) -> Layout:

@@ -8,11 +8,14 @@ The steps run in one fixed order, each depending on the one before (torchtitan's
 2. SyncBatchNorm conversion (where the strategy takes --sync-bn): it replaces BatchNorm
    modules, so it comes before DDP registers its hooks on the parameters or FSDP groups
    them;
-3. the strategy's own wrap: placement, the data-parallel wrapper (DDP broadcasts rank
+3. block by block (parallel/regions): activation checkpointing, then regional
+   compilation (``--compile-scope blocks``), both in place and before any wrapper, as
+   torchtitan orders them (checkpointing, compile, then FSDP);
+4. the strategy's own wrap: placement, the data-parallel wrapper (DDP broadcasts rank
    0's weights and buffers, so every rank starts from identical values), sharding or
    staging;
-4. torch.compile (--compile, where the strategy takes it), around DDP rather than inside
-   it, so that dynamo sees DDP's buckets and splits its graph at them.
+5. torch.compile of the whole model (``--compile-scope model``), around DDP rather
+   than inside it, so that dynamo sees DDP's buckets and splits its graph at them.
 """
 
 from __future__ import annotations
@@ -69,14 +72,29 @@ def parallelize(model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> ModelPa
 
         model = sync_batchnorm.apply(model, runtime)
     grouping = optim_state.grouping(cfg, model)  # from the whole model, before it is split
+    scope = strategy.compile_scope(cfg)
+    _by_block(model, cfg, compile_blocks=cfg.compile and scope == "blocks")
     parts = strategy.wrap(model, cfg, runtime)
     parts.grouping = grouping
-    if cfg.compile:
+    if cfg.compile and scope == "model":
         # compiled around DDP (not inside it): dynamo's DDPOptimizer then splits the
         # graph at DDP's bucket boundaries, so gradient all-reduce still overlaps backward
         _quiet_expected_compile_notices()
         parts = parts.with_modules(cast(nn.Module, torch.compile(part)) for part in parts)
     return parts
+
+
+def _by_block(model: nn.Module, cfg: TrainConfig, compile_blocks: bool) -> None:
+    """--activation-checkpointing and regional compilation, each repeated block in
+    place; a model without repeated blocks is compiled whole, in place."""
+    from paratrain.parallel import regions
+
+    blocks = regions.repeated_blocks(model)
+    if cfg.activation_checkpointing:
+        regions.checkpoint_activations(blocks)
+    if compile_blocks:
+        _quiet_expected_compile_notices()
+        regions.compile_blocks(blocks) if blocks else model.compile()
 
 
 def _quiet_expected_compile_notices() -> None:

@@ -88,6 +88,7 @@ class Unit:
     parameter_bytes: int = 0
     seconds: float = 0.0  # forward + backward, measured
     activation_bytes: int = 0  # saved for backward at the profiled batch size
+    input_bytes: int = 0  # its input at the profiled batch size (all a checkpointed unit keeps)
 
 
 @dataclass
@@ -318,9 +319,10 @@ def profile(
         inputs, outputs, forward = _forward_saving(stages, sample, cast, autocast, weights, shapes,
                                                    saved if attempt == 0 else None)  # fmt: skip
         _backward_timed(stages, inputs, outputs, forward, timings if attempt > 0 else None)
-    for unit, seconds, nbytes in zip(traced.units, timings, saved, strict=True):
+    for unit, seconds, nbytes, given in zip(traced.units, timings, saved, inputs, strict=True):
         unit.seconds = statistics.median(seconds)
         unit.activation_bytes = nbytes
+        unit.input_bytes = given.numel() * given.element_size()
 
 
 @dataclass

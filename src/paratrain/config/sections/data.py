@@ -251,11 +251,20 @@ class DataSettings:
     )
     augment_on: str = setting(
         "auto",
-        "where training images are cropped, resized, flipped and normalised (and, without the "
-        "cache, JPEGs decoded where that is faster): on the model's device, or in the loader "
-        "on the CPU; auto: the loader, except JPEGs decoded on a GPU where measured faster",
+        "where training images are decoded, cropped, resized, flipped and normalised: on "
+        "the model's device, the whole batch at once, or in the loader processes on the "
+        "CPU; auto: on a GPU, whichever a measurement of a few images finds faster (the "
+        "start line says the figures); on a CPU, the loader",
         group="data",
         choices=("auto", "device", "cpu"),
+    )
+    loader: str = setting(
+        "auto",
+        "what makes training batches: torch's DataLoader (see --augment-on), or NVIDIA "
+        "DALI decoding each crop's region and resizing on the GPU, fed paratrain's own "
+        "order (extra [dali]); auto: DALI too is measured where it is installed",
+        group="data",
+        choices=("auto", "torch", "dali"),
     )
     cache_dir: str | None = setting(
         None,

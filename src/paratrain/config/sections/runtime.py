@@ -52,8 +52,25 @@ class RuntimeSettings:
     )
     compile: bool = setting(
         False,
-        "torch.compile the model (around DDP, so its graphs split at "
-        "the gradient buckets); the first steps compile",
+        "torch.compile the model; the first steps compile (see --compile-scope)",
+        group="speed",
+        resume="quiet",
+    )
+    compile_scope: str = setting(
+        "auto",
+        "what --compile compiles: each repeated block in place (ResNet's residual blocks, "
+        "ViT's encoder blocks; one compile per kind of block, so start-up is short), or "
+        "the whole model around DDP (its graphs split at the gradient buckets); auto: "
+        "blocks, except under --strategy dp, whose replicas are copied every step",
+        group="speed",
+        choices=("auto", "blocks", "model"),
+        resume="quiet",
+    )
+    activation_checkpointing: bool = setting(
+        False,
+        "keep only each repeated block's input for backward and recompute the rest there: "
+        "less activation memory (a larger batch fits; see `paratrain plan`) for about a "
+        "third more compute",
         group="speed",
         resume="quiet",
     )

@@ -83,6 +83,7 @@ def check_settings(cfg: TrainConfig, world: int | None, model: bool = False) -> 
 EXTRAS = (
     ("timm", "timm", lambda cfg: cfg.model.startswith("timm/"), "--model timm/..."),
     ("timm", "timm", lambda cfg: cfg.opt in ("lars", "lamb"), "--opt lars and lamb"),
+    ("nvidia.dali", "dali", lambda cfg: cfg.loader == "dali", "--loader dali"),
 )
 
 
@@ -95,8 +96,15 @@ def check_extras(cfg: TrainConfig) -> None:
         if tracker.package is not None and tracker.extra is not None:
             needed.append((tracker.package, tracker.extra, f"--logger {name}"))
     for module, extra, what in needed:
-        if importlib.util.find_spec(module) is None:
+        if not _installed(module):
             raise UserError(f"{what} needs the {module} package: {install_extra(extra)}")
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package (nvidia. of nvidia.dali) is absent
+        return False
 
 
 def check_trackers(cfg: TrainConfig) -> None:
