@@ -16,6 +16,10 @@ random-resized crops, flips and normalisation both ways, in alternating rounds:
   boxes and flips (mean and largest absolute difference, in grey levels 0-255): the
   filters differ (roi_align's area average against an antialiased bilinear resize).
 
+* dali (where NVIDIA DALI is installed): from the JPEG files, the loader's share (reading
+  each file's bytes, drawing the boxes) and DALI's (decoding each crop's region,
+  resizing, flipping), then torch's normalisation, synchronised.
+
 Run at N and 8N images per batch to see how each grows. On a GPU machine:
 
     python benchmarks/augment_where.py --device cuda --image-size 224 --batch 32 256
@@ -93,6 +97,25 @@ def measure(split, cache, size: int, batch: int, device: torch.device, rounds: i
     }
 
 
+def measure_dali(split, size: int, batch: int, device: torch.device, rounds: int) -> str:
+    """DALI's way from the JPEG files, in words: read ms, DALI ms, images/s."""
+    from paratrain.data import dali
+
+    why = dali.available()
+    if why is not None:
+        return f"not measured: {why}"
+    reader = DeviceAugmented(split.train, TrainAugment(size), None, dali=True)
+    keys = [(i % len(split.train), 7919 * i) for i in range(batch)]
+    reading, augmenting = [], []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        pending, _ = reader.__getitems__(keys)
+        reading.append(time.perf_counter() - start)
+        augmenting.append(_timed(lambda: pending.on(device, torch.channels_last), device))  # noqa: B023
+    read, made = statistics.median(reading[1:]), statistics.median(augmenting[1:])
+    return f"read {read * 1e3:.1f} ms + DALI {made * 1e3:.1f} ms, {batch / made:.0f} img/s"
+
+
 def augment_std() -> tuple[float, float, float]:
     from paratrain.data.transforms import IMAGENET_STD
 
@@ -120,12 +143,14 @@ def main() -> None:
         )
         for batch in args.batch:
             t = measure(split, cache, args.image_size, batch, device, args.rounds)
+            dali = measure_dali(split, args.image_size, batch, device, args.rounds)
             print(
                 f"{batch:>6} {t['loader'] * 1e3:>10.1f} {batch / t['loader']:>7.0f} | "
                 f"{t['reading'] * 1e3:>8.1f} {t['device'] * 1e3:>11.1f} "
                 f"{batch / t['device']:>7.0f} | {t['per_image'] * 1e3:>13.1f} "
                 f"{batch / t['per_image']:>7.0f} | {t['mean_gap']:>13.2f} {t['max_gap']:>5.0f}"
             )
+            print(f"{'':>6} dali: {dali}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@
 # generated set of 20,000 images, benchmarks/plain_ddp.py (torchvision's DataLoader and
 # PIL, bf16 autocast, 224 px) against paratrain's defaults, end-to-end images/s and the
 # seconds each takes to the plain loop's final accuracy, then each data path's images/s
-# (benchmarks/augment_where.py). Logs and the table go to $OUT (or a temporary folder).
+# (benchmarks/augment_where.py), DALI's where installed. `gpu_check.sh levers` runs,
+# instead, the step's levers (compile scopes, CUDA graphs, activation checkpointing).
+# Logs and the table go to $OUT (or a temporary folder).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -34,6 +36,20 @@ metric() { # metric RUN KEY: the last epoch's KEY from the run's metrics.jsonl
 "$python" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exit 2
 gpu=$("$python" -c "import torch; p=torch.cuda.get_device_properties(0); print(f'{p.name}, {p.total_memory/2**30:.0f} GiB, torch {torch.__version__}')")
 row "device" "" "$gpu"
+
+if [ "${1:-}" = levers ]; then
+  # 8. (a second run, to stay within 10 minutes a run) the step's levers on this GPU:
+  # compile scope (eager / whole model / blocks / CUDA graphs), start-up included, and
+  # activation checkpointing's peak memory; ResNet-50 and ViT-B/16 at 224 px, bf16
+  timeout 400 "$python" benchmarks/step_levers.py compile --device cuda --bf16 \
+    --models resnet50 vit_b_16 --image-size 224 --batch 128 --steps 20 > "$out/levers.log" 2>&1
+  row "compile scopes (benchmarks/step_levers.py)" "$(verdict $?)" "see levers.log"
+  timeout 150 "$python" benchmarks/step_levers.py memory --device cuda --bf16 \
+    --models resnet50 vit_b_16 --image-size 224 --batch 128 --steps 5 >> "$out/levers.log" 2>&1
+  row "activation checkpointing memory" "$(verdict $?)" "see levers.log"
+  cat "$out/levers.log"
+  exit 0
+fi
 
 # 1. the GPU tests
 timeout 240 "$python" -m pytest -q tests/gpu -p no:cacheprovider > "$out/tests.log" 2>&1
@@ -128,8 +144,8 @@ read -r ours ratio sooner < <("$python" benchmarks/versus_plain.py ours \
 row "paratrain defaults, same run (target 2x)" "$(verdict $code)" "$ours img/s = ${ratio}x the plain loop; its top1 at ${sooner}s"
 timeout 120 "$python" benchmarks/augment_where.py --device cuda --image-size 224 --batch 256 \
   --images 2000 > "$out/augment_where.log" 2>&1
-row "data paths at batch 256 (loader/batched/per-image)" "$(verdict $?)" "$(tail -n 1 "$out/augment_where.log" | tr -s ' ')"
-row "DALI loader" "n/a" "not built: no NVIDIA DALI wheel where it was written"
+row "data paths at batch 256 (loader/batched/per-image)" "$(verdict $?)" "$(tail -n 2 "$out/augment_where.log" | head -n 1 | tr -s ' ')"
+row "DALI at batch 256 (--loader dali)" "" "$(tail -n 1 "$out/augment_where.log" | tr -s ' ')"
 
 echo
 echo "table: $table; logs in $out"

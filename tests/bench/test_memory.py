@@ -35,11 +35,13 @@ def test_bad_device_memory_is_a_user_error(text):
         memory.parse_size(text)
 
 
-def _measured(model: str, size: int, batch: int, precision: str = "32") -> int:
+def _measured(
+    model: str, size: int, batch: int, precision: str = "32", checkpointed: bool = False
+) -> int:
     code = (
         "import torch; torch.set_num_threads(2); from paratrain.bench import memory; "
         f"print(memory.measure_training_peak({model!r}, {size}, {batch}, classes=10, "
-        f"precision={precision!r}))"
+        f"precision={precision!r}, checkpointed={checkpointed}))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -66,6 +68,22 @@ def test_estimate_is_within_20_percent_of_the_measured_peak(model, precision):
         assert ddp.activations < 0.8 * next(r for r in fp32 if r.strategy == "ddp").activations
     parameters = sum(p.numel() * 4 for p in create_model(model, 10, size).parameters())
     assert ddp.parameters == ddp.gradients == ddp.optimizer == parameters  # SGD momentum: 1 slot
+
+
+@pytest.mark.slow
+def test_with_activation_checkpointing_the_estimate_falls_as_the_measured_peak_does():
+    """ResNet-50 at 128 px, batch 16: the estimate under --activation-checkpointing
+    within 20% of the peak measured so, well below the estimate without it; only the
+    strategies that take checkpointing are offered."""
+    size, batch = 128, 16
+    model_ = create_model("resnet50", 10, size)
+    plain = memory.estimate(model_, size, batch, 2, slots=1)
+    rows = memory.estimate(model_, size, batch, 2, slots=1, checkpointed=True)
+    assert [r.strategy for r in rows] == ["ddp", "fsdp"]
+    ddp = rows[0]
+    measured = _measured("resnet50", size, batch, checkpointed=True)
+    assert abs(ddp.total - measured) <= 0.2 * measured, (ddp.total, measured)
+    assert ddp.activations < 0.6 * next(r for r in plain if r.strategy == "ddp").activations
 
 
 def test_strategies_divide_memory_as_they_should():

@@ -216,6 +216,12 @@ def test_auto_feeds_the_way_measured_fastest_on_a_gpu_and_the_loader_on_a_cpu(sp
     assert chosen(cpu, augment_on="device").where == "device"
     assert chosen(gpu, augment_on="cpu").words() == "augmented in the loader (--augment-on cpu)"
     assert chosen(cpu, loader="dali").where == "dali" and not measured
+    raw = SimpleNamespace(lossless=True)  # the raw cache: pixels, nothing for DALI to decode
+    assert feed.choose_feed(TrainConfig(loader="dali"), split, gpu, raw, 4, list, None).where == (
+        "device"
+    )
+    feed.choose_feed(TrainConfig(), split, gpu, raw, 4, list, None)
+    assert measured[-2:] == ["loader", "device"] and "dali" not in measured
 
 
 def test_loader_dali_without_the_package_is_one_line_naming_the_extra(monkeypatch):

@@ -187,11 +187,13 @@ def measure_training_peak(
     opt: str = "sgd",
     classes: int = 1000,
     precision: str = "32",
+    checkpointed: bool = False,
 ) -> int | None:
     """Peak resident memory a plain training run adds (fp32, or its forward under
     ``precision``'s autocast): build the model and optimizer, take two steps (the
-    optimizer state exists from the first). Run it in a fresh process: memory a process
-    freed earlier may be reused and go uncounted."""
+    optimizer state exists from the first); ``checkpointed``: its repeated blocks under
+    activation checkpointing. Run it in a fresh process: memory a process freed earlier
+    may be reused and go uncounted."""
     import contextlib
 
     dtype = AUTOCAST.get(precision)
@@ -215,6 +217,10 @@ def measure_training_peak(
 
     def train() -> None:
         model = create_model(model_name, classes, image_size)
+        if checkpointed:
+            from paratrain.parallel.regions import checkpoint_activations, repeated_blocks
+
+            checkpoint_activations(repeated_blocks(model))
         optimizer = (
             torch.optim.AdamW(model.parameters(), lr=1e-3)
             if opt == "adamw"

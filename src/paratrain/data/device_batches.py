@@ -16,7 +16,6 @@ from the per-image path's by the filter (measured in benchmarks/augment_where.py
 from __future__ import annotations
 
 import io
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path

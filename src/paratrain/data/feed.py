@@ -74,6 +74,9 @@ def choose_feed(
         why = dali.available()
         if why is not None:  # preflight says so first, with the extra to install
             raise UserError(f"--loader dali: {why}")
+        if cache is not None and cache.lossless:
+            return Feed("device", "--loader dali, but the cache holds decoded pixels, not "
+                        "JPEGs: DALI has nothing to decode (--cache packed keeps JPEGs)")  # fmt: skip
         return Feed("dali", "--loader dali")
     if cfg.augment_on != "auto":
         return Feed(
@@ -81,9 +84,9 @@ def choose_feed(
         )
     if runtime.device.type != "cuda":
         return Feed("loader", "on a CPU the loader's work would otherwise take the training cores")
-    ways = ["loader", "device"] + (
-        ["dali"] if cfg.loader == "auto" and not dali.available() else []
-    )
+    jpegs = cache is None or not cache.lossless  # what DALI decodes
+    with_dali = cfg.loader == "auto" and jpegs and dali.available() is None
+    ways = ["loader", "device"] + (["dali"] if with_dali else [])
 
     def measure() -> Feed:
         seconds = {way: _per_image(way, split, runtime.device, cache, workers, cpu_set, augment)

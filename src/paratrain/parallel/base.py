@@ -141,7 +141,7 @@ class Strategy:
             if feature not in self.takes and on(cfg):
                 others = ", ".join(self._takers(feature))
                 raise UserError(f"{flag} works with --strategy {others}, not {self.name}")
-        self.compile_scope(cfg)
+        self._check_compile_scope(cfg)
         self.check_own(cfg, world)
         if self.one_process and (world or 1) > 1:
             raise UserError(
@@ -165,17 +165,13 @@ class Strategy:
     def check_own(self, cfg: TrainConfig, world: int | None) -> None:
         """The rules of the settings only this strategy reads (--stages, --devices ...)."""
 
-    def compile_scope(self, cfg: TrainConfig) -> str:
-        """What --compile compiles under this strategy: ``blocks`` or ``model``."""
-        if cfg.compile_scope == "auto":
-            return "blocks" if self.compiles_blocks else "model"
-        if cfg.compile_scope == "blocks" and not self.compiles_blocks:
+    def _check_compile_scope(self, cfg: TrainConfig) -> None:
+        if cfg.compile and cfg.compile_scope == "blocks" and not self.compiles_blocks:
             raise UserError(
                 f"--compile-scope blocks does not work with --strategy {self.name} (its "
                 "modules are copied every step, their compiled forwards with them); use "
                 "--compile-scope model"
             )
-        return cfg.compile_scope
 
     def _takers(self, feature: str) -> list[str]:
         return [name for name in STRATEGIES if feature in get(name).takes]

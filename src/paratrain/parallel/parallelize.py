@@ -72,11 +72,10 @@ def parallelize(model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> ModelPa
 
         model = sync_batchnorm.apply(model, runtime)
     grouping = optim_state.grouping(cfg, model)  # from the whole model, before it is split
-    scope = strategy.compile_scope(cfg)
-    _by_block(model, cfg, compile_blocks=cfg.compile and scope == "blocks")
+    _by_block(model, cfg, compile_blocks=cfg.compile and cfg.compile_scope == "blocks")
     parts = strategy.wrap(model, cfg, runtime)
     parts.grouping = grouping
-    if cfg.compile and scope == "model":
+    if cfg.compile and cfg.compile_scope == "model":
         # compiled around DDP (not inside it): dynamo's DDPOptimizer then splits the
         # graph at DDP's bucket boundaries, so gradient all-reduce still overlaps backward
         _quiet_expected_compile_notices()

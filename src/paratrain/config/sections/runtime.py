@@ -57,13 +57,13 @@ class RuntimeSettings:
         resume="quiet",
     )
     compile_scope: str = setting(
-        "auto",
-        "what --compile compiles: each repeated block in place (ResNet's residual blocks, "
-        "ViT's encoder blocks; one compile per kind of block, so start-up is short), or "
-        "the whole model around DDP (its graphs split at the gradient buckets); auto: "
-        "blocks, except under --strategy dp, whose replicas are copied every step",
+        "model",
+        "what --compile compiles: the whole model around DDP (its graphs split at the "
+        "gradient buckets), or each repeated block in place (ResNet's residual blocks, "
+        "ViT's encoder blocks), as torchtitan does; measured on a CPU, blocks compile "
+        "no sooner and step slower (docs/gpu.md); not with --strategy dp",
         group="speed",
-        choices=("auto", "blocks", "model"),
+        choices=("model", "blocks"),
         resume="quiet",
     )
     activation_checkpointing: bool = setting(

@@ -59,7 +59,8 @@ def run_facts(
         recipe=recipe_words(cfg),
         precision=precision
         + (" (auto)" if cfg.precision == "auto" else "")
-        + (", torch.compile (the first steps compile)" if cfg.compile else ""),
+        + (f", torch.compile of {_compiled(cfg)} (the first steps compile)" if cfg.compile else "")
+        + (", activation checkpointing" if cfg.activation_checkpointing else ""),
         cache=cache,
         resume=resume,
         chosen=chosen or [],
@@ -218,3 +219,8 @@ def embedded_data(
         say(dry_run(cfg, env, unwritten=digits_dir(cfg.cache_dir)))
         return None
     return replace(cfg, data=str(ensure_digits(cfg.cache_dir)))
+
+
+def _compiled(cfg: TrainConfig) -> str:
+    """What --compile compiles under the run's strategy, in words."""
+    return "each repeated block" if cfg.compile_scope == "blocks" else "the whole model"
