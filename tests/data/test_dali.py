@@ -26,7 +26,7 @@ def test_the_loader_hands_dali_each_jpeg_with_its_crop_in_pixels_and_its_flip(jp
     keys = [(i, 500 + i) for i in range(len(jpegs.train))]
     batch, _ = reader.__getitems__(keys)
     assert isinstance(batch, DeviceBatch) and batch.dali and all(batch.encoded)
-    given = dali.external_inputs(batch)
+    given = dali.external_inputs(batch.images, batch.boxes, batch.flips)
     assert set(given) == {"jpegs", "anchors", "shapes", "flips"}
     for i, (top, left, height, width) in enumerate(batch.boxes.tolist()):
         assert bytes(given["jpegs"][i][:3]) == b"\xff\xd8\xff"  # the file's bytes, undecoded
@@ -48,7 +48,7 @@ def test_dalis_crops_are_torchvisions_on_the_same_boxes(jpegs):
     reader = DeviceAugmented(jpegs.train, TrainAugment(24, 0.3), dali=True)
     keys = [(i, 700 + i) for i in range(len(jpegs.train))]
     batch, _ = reader.__getitems__(keys)
-    got = dali.crops(batch, torch.device("cpu")).float()
+    got = dali.crops(batch.images, batch.boxes, batch.flips, 24, torch.device("cpu")).float()
     want = []
     for i, (top, left, height, width) in enumerate(batch.boxes.tolist()):
         image = to_chw(load_rgb(jpegs.train.keys[i], None, None))

@@ -101,7 +101,7 @@ def test_auto_keeps_the_sizes_where_low_res_would_train_too_small(monkeypatch):
     said = _Said()
     monkeypatch.setattr(budget_module, "get_logger", lambda: said)
     runtime = Runtime(env=DistEnv(), device=torch.device("cpu"), backend=None)
-    chosen = budget_module.choose_recipe(cfg, runtime, 1000, 100, None)
+    chosen = budget_module.choose_recipe(cfg, runtime, _split(1000, 100), None)
     assert chosen.budget_recipe == "fixed"
     assert said.lines == ["budget 30s: the sizes as given (low-res would train at 8 px, below 16)"]
 
@@ -170,6 +170,13 @@ def test_auto_chooses_only_from_scratch_and_where_no_size_is_set():
         assert not budget_module.may_choose(replace(base, **given)), given
 
 
+def _split(train: int, val: int):
+    """A split of ``train`` and ``val`` images, by count only (nothing reads them)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(train=range(train), val=range(val))
+
+
 @pytest.fixture
 def one_process():
     from paratrain.distributed.env import DistEnv
@@ -198,8 +205,11 @@ def test_auto_times_real_steps_and_chooses_low_res_when_few_epochs_fit(
     already spent fits no epoch (low-res); a hundred hours fit thousands (fixed)."""
     said = _Said()
     monkeypatch.setattr(budget_module, "get_logger", lambda: said)
+    monkeypatch.setattr(
+        budget_module, "_detail_lost", lambda *_: False
+    )  # tests/engine/test_detail.py
     cfg = TrainConfig(data="d", model="resnet18", image_size=32, batch_size=4, budget=budget)
-    decided = budget_module.choose_recipe(cfg, one_process, 400, 100, None)
+    decided = budget_module.choose_recipe(cfg, one_process, _split(400, 100), None)
     assert decided.budget_recipe == chosen
     # said before the probe (its seconds are the budget's), and after it with its cost
     assert len(said.lines) == 2 and "timing a few steps" in said.lines[0], said.lines
@@ -218,12 +228,15 @@ def test_auto_reckons_the_epoch_from_the_step_and_the_replicas(monkeypatch, one_
 
     monkeypatch.setattr(probe, "step_seconds", lambda cfg, runtime: (0.1, 2))
     monkeypatch.setattr(budget_module, "since_start", lambda: 0.0)
+    monkeypatch.setattr(budget_module, "_detail_lost", lambda *_: False)
     cfg = TrainConfig(data="d", model="resnet18", image_size=32, batch_size=4, budget="60s")
     assert budget_module.epoch_seconds(0.1, cfg, 800, 200, 2) == pytest.approx(0.1 * (100 + 25 / 3))
-    assert budget_module.choose_recipe(cfg, one_process, 800, 200, None).budget_recipe == (
+    assert budget_module.choose_recipe(cfg, one_process, _split(800, 200), None).budget_recipe == (
         "low-res"
     )
-    assert budget_module.choose_recipe(cfg, one_process, 80, 20, None).budget_recipe == "fixed"
+    assert (
+        budget_module.choose_recipe(cfg, one_process, _split(80, 20), None).budget_recipe == "fixed"
+    )
 
 
 def test_auto_keeps_what_a_resumed_run_recorded_and_never_a_size_the_model_refuses(
@@ -238,13 +251,15 @@ def test_auto_keeps_what_a_resumed_run_recorded_and_never_a_size_the_model_refus
     cfg = TrainConfig(data="d", model="resnet18", image_size=32, batch_size=4, budget="1s")
     replace(cfg, budget_recipe="low-res").save(tmp_path / "config.yaml")
     assert budget_module.recorded_recipe(tmp_path) == "low-res"
-    assert budget_module.choose_recipe(cfg, one_process, 400, 100, tmp_path).budget_recipe == (
-        "low-res"
-    )
+    assert budget_module.choose_recipe(
+        cfg, one_process, _split(400, 100), tmp_path
+    ).budget_recipe == ("low-res")
     assert budget_module.recorded_recipe(tmp_path / "none") == "fixed"  # no config.yaml
     # a ViT made for 32 px takes no other size: the sizes as given
     vit = replace(cfg, model="vit_b_16")
-    assert budget_module.choose_recipe(vit, one_process, 400, 100, None).budget_recipe == ("fixed")
+    assert budget_module.choose_recipe(vit, one_process, _split(400, 100), None).budget_recipe == (
+        "fixed"
+    )
 
 
 @pytest.mark.parametrize(

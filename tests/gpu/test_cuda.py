@@ -361,7 +361,7 @@ def test_dali_feeds_a_run_from_the_files_and_from_the_packed_cache(tmp_path, dat
     batch, _ = DeviceAugmented(split.train, TrainAugment(32, 0.3), dali=True).__getitems__(
         [(i, 900 + i) for i in range(8)]
     )
-    by_dali = dali.crops(batch, CUDA).float()
+    by_dali = dali.crops(batch.images, batch.boxes, batch.flips, 32, CUDA).float()
     by_roi = swapped(batch, dali=False)._crops(CUDA)
     assert by_dali.shape == by_roi.shape == (8, 3, 32, 32)
     assert (by_dali - by_roi).abs().mean() < 6

@@ -75,11 +75,9 @@ def estimate(
     blocks = frozenset(name for name, _ in repeated_blocks(model)) if checkpointed else frozenset()
     profile = MemoryProfile(
         model, traced, starts, batch, PROFILE_BATCH, devices, slots, microbatches, schedule,
-        checkpointed=blocks & set(traced.names),
+        checkpointing=checkpointed, checkpointed=blocks & set(traced.names),
     )  # fmt: skip
-    rows = [row for name in STRATEGIES if (row := strategy_of(name).memory(profile)) is not None]
-    if checkpointed:
-        rows = [r for r in rows if "activation_checkpointing" in strategy_of(r.strategy).takes]
+    rows = [row for name in STRATEGIES if (row := strategy_of(name).planned(profile)) is not None]
     if teacher is not None:
         weights = sum(p.numel() * 4 for p in teacher.parameters())
         placed = [(row, strategy_of(row.strategy).teacher_bytes(weights, devices)) for row in rows]

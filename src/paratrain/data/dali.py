@@ -18,13 +18,10 @@ is refused in one line naming the extra (engine/prerun/preflight).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    from paratrain.data.device_batches import DeviceBatch
 
 __all__ = ["available", "crops", "external_inputs"]
 
@@ -41,20 +38,20 @@ def available() -> str | None:
     return None
 
 
-def external_inputs(batch: DeviceBatch) -> dict[str, list[np.ndarray]]:
-    """What the loader hands DALI for ``batch``: each image's JPEG bytes, and its crop
-    as an anchor (x, y) and a shape (width, height) in the upright image's pixels, and
-    its flip (1: mirrored), a sample each."""
-    jpegs = [image.numpy() for image in batch.images]
-    top, left, height, width = batch.boxes.unbind(1)
+def external_inputs(
+    jpegs: list[torch.Tensor], boxes: torch.Tensor, flips: torch.Tensor
+) -> dict[str, list[np.ndarray]]:
+    """What the loader hands DALI for a batch: each image's JPEG bytes (1-D uint8), and
+    its crop as an anchor (x, y) and a shape (width, height) in the upright image's
+    pixels (``boxes``: top, left, height, width), and its flip (1: mirrored)."""
+    top, left, height, width = boxes.unbind(1)
     anchors = torch.stack([left, top], 1).float().numpy()
     shapes = torch.stack([width, height], 1).float().numpy()
-    flips = batch.flips.to(torch.int32).numpy()
     return {
-        "jpegs": jpegs,
+        "jpegs": [image.numpy() for image in jpegs],
         "anchors": list(anchors),
         "shapes": list(shapes),
-        "flips": [np.array(f, dtype=np.int32) for f in flips],
+        "flips": [np.array(f, dtype=np.int32) for f in flips.to(torch.int32).tolist()],
     }
 
 
@@ -106,20 +103,25 @@ def _pipeline(device: torch.device, size: int, batch: int) -> Any:
     return pipe
 
 
-def crops(batch: DeviceBatch, device: torch.device) -> torch.Tensor:
-    """The batch's crops, resized and flipped by DALI: (B, 3, size, size) uint8 on
+def crops(
+    jpegs: list[torch.Tensor],
+    boxes: torch.Tensor,
+    flips: torch.Tensor,
+    size: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """The crops, resized to ``size`` and flipped by DALI: (B, 3, size, size) uint8 on
     ``device``."""
     from nvidia.dali.plugin.pytorch import feed_ndarray
 
-    size = batch.augment.size
-    capacity = 1 << max(len(batch) - 1, 0).bit_length()  # a power of two: few graphs built
+    capacity = 1 << max(len(jpegs) - 1, 0).bit_length()  # a power of two: few graphs built
     pipe = _pipeline(device, size, capacity)
-    for name, value in external_inputs(batch).items():
+    for name, value in external_inputs(jpegs, boxes, flips).items():
         pipe.feed_input(name, value)
     (out,) = pipe.run()
     if device.type == "cuda":
         out = out.as_tensor()
-        target = torch.empty((len(batch), 3, size, size), dtype=torch.uint8, device=device)
+        target = torch.empty((len(jpegs), 3, size, size), dtype=torch.uint8, device=device)
         feed_ndarray(out, target, cuda_stream=torch.cuda.current_stream(device))
         return target
     return torch.from_numpy(np.ascontiguousarray(out.as_array()))

@@ -83,7 +83,8 @@ class DeviceBatch:
         if self.dali and all(self.encoded):
             from paratrain.data import dali
 
-            out = dali.crops(self, device).float()
+            out = dali.crops(self.images, self.boxes, self.flips, self.augment.size, device)
+            out = out.float()
         else:
             out = self._crops(device)
         return self._finish(out, device).contiguous(memory_format=memory_format)

@@ -177,7 +177,7 @@ def _budget_recipe(
 ) -> tuple[TrainConfig, TrainConfig]:
     """(the recipe by name, as config.yaml records it; the settings it trains with):
     --budget-recipe auto decided (engine/prerun/budget.py), low-res made sizes and said."""
-    intent = choose_recipe(cfg, runtime, len(split.train), len(split.val), resumed)
+    intent = choose_recipe(cfg, runtime, split, resumed)
     cfg = concrete(intent)
     if cfg is not intent:
         try:

@@ -64,6 +64,7 @@ class MemoryProfile:
     microbatches: int = 4
     schedule: str = "1f1b"
     blocks: list[int] = field(default_factory=list)  # parameter bytes of each block
+    checkpointing: bool = False  # --activation-checkpointing: only its takers are offered
     checkpointed: frozenset[str] = frozenset()  # units whose activations are recomputed
 
     @property
@@ -202,6 +203,12 @@ class Strategy:
     def memory(self, profile: MemoryProfile) -> DeviceMemory | None:
         """What the fullest device needs; None where `paratrain plan` leaves it out."""
         return None
+
+    def planned(self, profile: MemoryProfile) -> DeviceMemory | None:
+        """``memory``, where this strategy takes what the profile was made for."""
+        if profile.checkpointing and "activation_checkpointing" not in self.takes:
+            return None
+        return self.memory(profile)
 
     # ---------------------------------------------------------------- the model
 

@@ -29,6 +29,7 @@ from typing import Any
 import yaml
 
 from paratrain.config import TrainConfig
+from paratrain.data.folder import DataSplit
 from paratrain.distributed import comm
 from paratrain.distributed.runtime import Runtime
 from paratrain.log import get_logger, since_start
@@ -255,10 +256,13 @@ def recipe_words(cfg: TrainConfig) -> str:
 
 
 def choose_recipe(
-    cfg: TrainConfig, runtime: Runtime, train: int, val: int, resumed: Path | None
+    cfg: TrainConfig, runtime: Runtime, split: DataSplit, resumed: Path | None
 ) -> TrainConfig:
     """--budget-recipe auto made low-res or fixed (every rank the same), and said; a
-    resumed run keeps what its config.yaml recorded."""
+    resumed run keeps what its config.yaml recorded. Low-res where few epochs fit at the
+    sizes given, unless a look at a few training images finds that the lower sizes lose
+    what tells the classes apart (engine/prerun/detail.py)."""
+    train, val = len(split.train), len(split.val)
     if not cfg.budget or cfg.budget_recipe != "auto":
         return cfg
     if resumed is not None:
@@ -294,4 +298,25 @@ def choose_recipe(
             else f"{SHORT:.0f} or more: the sizes as given"
         )
     )
+    if short and _detail_lost(cfg, split, budget):
+        return replace(cfg, budget_recipe="fixed")
     return replace(cfg, budget_recipe="low-res" if short else "fixed")
+
+
+def _detail_lost(cfg: TrainConfig, split: DataSplit, budget: str) -> bool:
+    """Whether the low-res recipe's sizes lose what tells the classes apart (rank 0
+    looks, every rank follows); said either way."""
+    from paratrain.engine.prerun.detail import check_detail
+
+    low = low_res(cfg)
+    check = comm.agree(lambda: check_detail(split.train, cfg, low, cfg.split_seed))
+    words = check.words(cfg.eval_crop, low.eval_crop)
+    get_logger().info(
+        f"{budget}: {words}: "
+        + (
+            "the lower size loses what tells them apart: the sizes as given"
+            if check.lost
+            else "the lower size keeps it: --budget-recipe low-res"
+        )
+    )
+    return check.lost
