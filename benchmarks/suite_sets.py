@@ -90,7 +90,9 @@ def _texture(rng: np.random.Generator, kind: str, h: int, w: int) -> np.ndarray:
     if kind == "checks":
         return np.sign(np.sin(np.pi * u / period) * np.sin(np.pi * v / period))
     if kind == "waves":
-        return np.sin(2 * np.pi * (u + 0.3 * period * np.sin(2 * np.pi * v / (3 * period))) / period)
+        return np.sin(
+            2 * np.pi * (u + 0.3 * period * np.sin(2 * np.pi * v / (3 * period))) / period
+        )
     coarse = rng.normal(0, 1, size=(max(2, int(h / period)), max(2, int(w / period))))
     blot = Image.fromarray(((coarse > 0) * 255).astype(np.uint8)).resize((w, h), Image.BILINEAR)
     return np.asarray(blot, dtype=np.float32) / 127.5 - 1

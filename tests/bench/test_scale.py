@@ -94,6 +94,8 @@ def test_launched_runs_get_every_setting_of_the_step():
         bucket_cap_mb=5.0,
         grad_compression="bf16",
         compile=True,
+        compile_scope="blocks",
+        activation_checkpointing=True,
     )
     args = build_parser().parse_args(_bench_argv(config, ScaleSettings(), Path("r.json"), True))
     assert args.command == "bench" and args.sweep_bytes == 256 * 2**20

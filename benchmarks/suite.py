@@ -1,0 +1,227 @@
+"""Time to accuracy across a suite of sets nobody tuned on (benchmarks/suite_sets.py and
+the embedded digits): the plain loop against paratrain, per set and seed.
+
+Arms, each a run that evaluates after every epoch, the clock from the command's launch:
+
+* plain      — benchmarks/plain_ddp.py --eval-every-epoch (the reference)
+* defaults   — ``paratrain train`` as it comes, at the plain loop's epochs
+* third      — the defaults given ``--budget``: a third of the plain loop's time to its
+               best (the same set and seed), the recipe left to ``--budget-recipe auto``
+* two-thirds — the same at two thirds
+
+Runnable in pieces, since the whole is long on 2 cores: ``run`` appends each finished
+(set, seed, arm) to ``--results`` (JSON lines) and skips those already there; the
+budget arms need their plain run first. ``report`` prints, per set and for the two
+halves (the sets the recipes may be chosen on, and the sets that confirm them): each
+arm's time to the plain loop's best and its speed-up, its best and final top-1 (means
+over the seeds), the equal-epoch gap to the plain loop at every epoch against one
+seed's spread, then the geometric means and the confirm half's targets.
+
+    python benchmarks/suite.py run --sets colour fine digits --seeds 0 1 2
+    python benchmarks/suite.py report
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _machine import machine  # noqa: E402
+from suite_sets import SETS, make_set  # noqa: E402
+from time_to_accuracy import first_reach, launch  # noqa: E402
+from vs_plain_loop import plain_command  # noqa: E402
+
+CHOOSE = ("colour", "texture", "many")  # the recipes' rules may be chosen on these
+CONFIRM = ("shape", "fine", "few", "digits")  # and are confirmed on these
+ARMS = ("plain", "defaults", "third", "two-thirds")
+SIZES = {"digits": 32}  # the training size (the rest: --size)
+
+
+def write_digits(root: Path) -> Path:
+    """The embedded digits as root/{train,val}/class/*.png (a fifth of each class to
+    validation, by order)."""
+    from PIL import Image
+
+    from paratrain.data.builtin import DIGITS_FILE
+
+    with np.load(DIGITS_FILE) as digits:
+        images, labels = digits["images"], digits["labels"]
+    seen: dict[int, int] = {}
+    for index, (pixels, label) in enumerate(zip(images, labels, strict=True)):
+        count = seen[int(label)] = seen.get(int(label), -1) + 1
+        side = "val" if count % 5 == 0 else "train"
+        folder = root / side / f"class_{int(label)}"
+        folder.mkdir(parents=True, exist_ok=True)
+        grey = np.clip(pixels * (255 / 16), 0, 255).astype(np.uint8)
+        Image.fromarray(grey, mode="L").save(folder / f"{index:04d}.png")
+    return root
+
+
+def data_of(name: str, work: Path) -> Path:
+    """The set's folder under ``work``, written once."""
+    root, written = work / "data" / name, work / "data" / f"{name}.complete"
+    if not written.exists():
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+        write_digits(root) if name == "digits" else make_set(name, root)
+        written.write_text("")
+    return root
+
+
+def run_arm(name: str, arm: str, seed: int, args, done: dict) -> list[list[float]]:
+    """One arm's curve: [seconds from launch, val top-1] after each epoch."""
+    data, size = data_of(name, args.work), SIZES.get(name, args.size)
+    threads = max(1, 2 // args.nproc)
+    if arm == "plain":
+        command = plain_command(data, size, args.nproc, args.epochs, "--eval-every-epoch",
+                                "--seed", str(seed))  # fmt: skip
+        start, out = launch(command, args.work, threads)
+        rows = [json.loads(line) for line in out.splitlines() if line.startswith('{"epoch"')]
+        return [[row["time"] - start, row["val_top1"]] for row in rows]
+    extra: list[str] = []
+    if arm in ("third", "two-thirds"):
+        base = done[(name, seed, "plain")]
+        share = 1 / 3 if arm == "third" else 2 / 3
+        seconds = first_reach(base, max(a for _, a in base)) * share
+        extra = ["--budget", f"{max(seconds, 5):.0f}s"]
+    run_name = f"{name}-{arm}-{seed}"
+    command = [
+        sys.executable, "-m", "paratrain", "train", "--data", str(data), "--image-size",
+        str(size), "--batch-size", "16", "--epochs", str(args.epochs), "--nproc",
+        str(args.nproc), "--name", run_name, "--seed", str(seed), *extra,
+    ]  # fmt: skip
+    launch(command, args.work, threads, PARATRAIN_CACHE=str(args.work / "cache" / run_name))
+    metrics = args.work / "runs" / run_name / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [[row["since_start_s"], row["val_top1"]] for row in rows]
+
+
+def load(results: Path) -> dict[tuple[str, int, str], list[list[float]]]:
+    if not results.exists():
+        return {}
+    rows = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    return {(r["set"], r["seed"], r["arm"]): r["curve"] for r in rows}
+
+
+def run(args) -> None:
+    args.work.mkdir(parents=True, exist_ok=True)
+    done = load(args.results)
+    for name in args.sets:
+        for seed in args.seeds:
+            for arm in args.arms:
+                if (name, seed, arm) in done:
+                    continue
+                curve = run_arm(name, arm, seed, args, done)
+                done[(name, seed, arm)] = curve
+                with args.results.open("a") as handle:
+                    handle.write(json.dumps({"set": name, "seed": seed, "arm": arm,
+                                             "curve": curve}) + "\n")  # fmt: skip
+                best = max(a for _, a in curve)
+                print(f"{name} seed {seed} {arm}: best {best:.1%} final {curve[-1][1]:.1%} "
+                      f"in {curve[-1][0]:.0f}s", flush=True)  # fmt: skip
+
+
+def _row(name: str, done: dict, seeds: list[int]) -> dict | None:
+    """A set's figures over the seeds that have its plain run."""
+    seeds = [s for s in seeds if (name, s, "plain") in done]
+    if not seeds:
+        return None
+    row: dict = {"seeds": len(seeds)}
+    for arm in ARMS:
+        curves = [(s, done[(name, s, arm)]) for s in seeds if (name, s, arm) in done]
+        if not curves:
+            continue
+        speed, reached = [], 0
+        for seed, curve in curves:
+            base = done[(name, seed, "plain")]
+            level = max(a for _, a in base)
+            t, b = first_reach(curve, level), first_reach(base, level)
+            if t is not None and b is not None:
+                speed.append(b / t)
+                reached += 1
+        row[arm] = {
+            "best": float(np.mean([max(a for _, a in c) for _, c in curves])),
+            "final": float(np.mean([c[-1][1] for _, c in curves])),
+            "speedup": float(np.exp(np.mean(np.log(speed)))) if speed else None,
+            "reached": f"{reached}/{len(curves)}",
+        }
+    # equal epochs: the defaults' top-1 less the plain loop's, epoch by epoch, against
+    # the plain loop's spread over the seeds
+    pairs = [(done[(name, s, "plain")], done[(name, s, "defaults")]) for s in seeds
+             if (name, s, "defaults") in done]  # fmt: skip
+    if pairs:
+        epochs = min(min(len(p), len(d)) for p, d in pairs)
+        gap = [float(np.mean([d[e][1] - p[e][1] for p, d in pairs])) for e in range(epochs)]
+        spread = [float(np.std([p[e][1] for p, _ in pairs])) for e in range(epochs)]
+        row["gap"], row["spread"] = gap, spread
+    return row
+
+
+def report(args) -> None:
+    done = load(args.results)
+    seeds = sorted({seed for _, seed, _ in done})
+    print(f"{args.results}: seeds {seeds}; {machine()}")
+    rows = {name: r for name in (*CHOOSE, *CONFIRM) if (r := _row(name, done, seeds))}
+    for half, names in (("choose", CHOOSE), ("confirm", CONFIRM)):
+        print(f"\n{half} half: time to the plain loop's best as a speed-up over it "
+              "(reached/runs), best / final top-1, means over the seeds")  # fmt: skip
+        for name in names:
+            if name not in rows:
+                print(f"  {name}: not run")
+                continue
+            r = rows[name]
+            cells = []
+            for arm in ARMS:
+                if arm in r:
+                    a = r[arm]
+                    fast = "" if arm == "plain" else (
+                        f"{a['speedup']:.2f}x ({a['reached']}), " if a["speedup"] else
+                        f"never ({a['reached']}), ")  # fmt: skip
+                    cells.append(f"{arm} {fast}{a['best']:.1%} / {a['final']:.1%}")
+            print(f"  {name} ({r['seeds']} seeds): " + "; ".join(cells))
+            if "gap" in r:
+                worst = min(g + s for g, s in zip(r["gap"], r["spread"], strict=True))
+                print("    equal epochs, defaults - plain: " + " ".join(
+                    f"{g:+.1%}" for g in r["gap"]) + f" (spread {np.mean(r['spread']):.1%}; "
+                    f"{'never behind by more' if worst >= 0 else 'behind by more'} than a "
+                    "seed's spread)")  # fmt: skip
+        speeds = [rows[n][arm]["speedup"] for n in names if n in rows
+                  for arm in ("third",) if arm in rows[n] and rows[n][arm]["speedup"]]  # fmt: skip
+        if speeds:
+            print(f"  geometric mean speed-up of third: {np.exp(np.mean(np.log(speeds))):.2f}x")
+    confirm = [rows[n] for n in CONFIRM if n in rows]
+    if confirm:
+        third = sum(1 for r in confirm if "third" in r and (r["third"]["speedup"] or 0) >= 3)
+        final = all(r.get("defaults", {}).get("final", 0) >= r["plain"]["final"] for r in confirm)
+        print(f"\nconfirm half: a third of the time reaches the loop's best 3x sooner on "
+              f"{third}/{len(confirm)} sets (target: two thirds); defaults' final at least the "
+              f"loop's on every set: {final}")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=("run", "report"))
+    parser.add_argument("--sets", nargs="+", default=[*CHOOSE, *CONFIRM],
+                        choices=[*SETS, "digits"])  # fmt: skip
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--work", type=Path, default=Path("suite-work"))
+    parser.add_argument("--results", type=Path, default=Path("suite-results.jsonl"))
+    args = parser.parse_args()
+    args.work = args.work.resolve()
+    (run if args.what == "run" else report)(args)
+
+
+if __name__ == "__main__":
+    main()
