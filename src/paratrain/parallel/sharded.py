@@ -132,7 +132,7 @@ class Pending:
         _finish(self.tmp, self.directory, self.state)
 
 
-_SAVE_GROUP: list[Any] = []  # the gloo group background saves meet in, made once
+_SAVE_GROUP: list[Any] = []  # (the default group, the gloo group background saves meet in)
 
 
 def save_async(
@@ -147,20 +147,29 @@ def save_async(
     tmp = _fresh_tmp(directory)
     flat, groups = parts.sharded_state(optimizer)
     state = {**rest, "optimizer_groups": parts.gather_groups(groups)}
-    if comm.is_dist() and not _SAVE_GROUP:
-        import torch.distributed as dist
-
-        _SAVE_GROUP.append(dist.new_group(backend="gloo"))
     cuda = torch.cuda.is_available()
     stager = DefaultStager(StagingOptions(cuda, False, False, cuda))
     future = dcp.async_save(  # a Future: staging is synchronous, done when it returns
         flat,
         checkpoint_id=tmp,
-        process_group=_SAVE_GROUP[0] if _SAVE_GROUP else None,
+        process_group=_save_group(),
         async_stager=stager,
         no_dist=not comm.is_dist(),
     )
     return Pending(future, stager, tmp, directory, state)
+
+
+def _save_group() -> Any:
+    """The gloo group of this process group's background saves (None in one process),
+    made once per group: a later group (a new run in the same process) gets its own."""
+    if not comm.is_dist():
+        return None
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    if not _SAVE_GROUP or _SAVE_GROUP[0] is not world:
+        _SAVE_GROUP[:] = [world, dist.new_group(backend="gloo")]
+    return _SAVE_GROUP[1]
 
 
 def _fresh_tmp(directory: Path) -> Path:
