@@ -142,3 +142,27 @@ def test_the_bf16_detour_is_gated_by_the_torch_version(monkeypatch):
     monkeypatch.setattr(cpu_bf16, "FIXED_IN", (2, 16))
     assert cpu_bf16.affected("2.15.2+cpu") and not cpu_bf16.affected("2.16.0")
     assert not cpu_bf16.affected("3.0.0a0+git1234")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=torch._dynamo.exc.InternalTorchDynamoError,
+    reason="torch 2.14's dynamo traces torch.utils.checkpoint with a context_fn only under "
+    "torch._dynamo.config._experimental_support_context_fn_in_torch_utils_checkpoint "
+    "(torch/_higher_order_ops/wrap.py; seen by others: NVIDIA/TransformerEngine#890). "
+    "paratrain's checkpointed blocks keep BatchNorm's statistics in a context_fn, so "
+    "--activation-checkpointing with --compile is refused in one line (config/train.py)",
+)
+def test_compile_traces_a_checkpoint_with_a_context_fn():
+    import contextlib
+
+    from torch.utils.checkpoint import checkpoint
+
+    layer = torch.nn.Linear(4, 4)
+
+    def forward(x):
+        both = (contextlib.nullcontext(), contextlib.nullcontext())
+        return checkpoint(layer, x, use_reentrant=False, context_fn=lambda: both)
+
+    torch.compile(forward, backend="eager")(torch.ones(2, 4, requires_grad=True)).sum().backward()
+    assert layer.weight.grad is not None

@@ -67,6 +67,12 @@ class TrainConfig(
             raise UserError("--warmup-epochs and --warmup-steps are alternatives; give one")
         if self.teacher_weights is not None and self.teacher is None:
             raise UserError("--teacher-weights needs --teacher: the model they belong to")
+        if self.compile and self.activation_checkpointing:
+            raise UserError(
+                "--activation-checkpointing with --compile: torch.compile cannot yet trace "
+                "the checkpointed blocks (their recompute keeps BatchNorm's statistics "
+                "still); give one of them"
+            )
         if self.sched == "multistep" and not self.lr_milestones:
             raise UserError("--sched multistep needs --lr-milestones (e.g. 30,60,80)")
         if self.name is not None and (
