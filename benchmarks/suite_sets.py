@@ -6,7 +6,8 @@ scale, colour, background), so that accuracy climbs over the epochs:
 * ``colour``  — 5 classes by the hue of a soft blob, under a per-image brightness and
   colour shift, on a textured background; shapes and sizes vary freely;
 * ``shape``   — 5 classes by a drawn shape (disc, square, triangle, cross, ring) at any
-  place, size and colour, every class in the same colours;
+  place and size, darker or lighter than a quiet background, every class alike in
+  colour;
 * ``texture`` — 5 classes by a texture (stripes, dots, checks, waves, blotches) at a
   random scale, angle and palette, filling the image;
 * ``fine``    — 4 classes by where a fine 1-pixel checkerboard lies (top half, bottom
@@ -52,9 +53,12 @@ def _background(rng: np.random.Generator, h: int, w: int, level: float = 120.0) 
     return smooth + rng.normal(0, 12, size=(h, w, 3))
 
 
-def _shape_mask(rng: np.random.Generator, kind: str, h: int, w: int) -> np.ndarray:
+def _shape_mask(
+    rng: np.random.Generator, kind: str, h: int, w: int, larger: bool = False
+) -> np.ndarray:
     """A filled shape of ``kind`` at a random place and size, as a 0/1 mask."""
-    size = rng.uniform(0.25, 0.55) * min(h, w)
+    low, high = (0.45, 0.8) if larger else (0.25, 0.55)
+    size = rng.uniform(low, high) * min(h, w)
     cx, cy = rng.uniform(size / 2, w - size / 2), rng.uniform(size / 2, h - size / 2)
     mask = Image.new("L", (w, h), 0)
     draw = ImageDraw.Draw(mask)
@@ -118,10 +122,12 @@ def colour(rng: np.random.Generator, label: int) -> np.ndarray:
 
 def shape(rng: np.random.Generator, label: int) -> np.ndarray:
     h, w = 96, 128
-    pixels = _background(rng, h, w)
-    mask = _shape_mask(rng, SHAPES[label], h, w)[..., None]
-    fill = rng.uniform(40, 220, size=3)
-    return pixels * (1 - mask) + fill * mask + rng.normal(0, 25, size=(h, w, 3))
+    level = rng.uniform(60, 190)
+    pixels = level + (_background(rng, h, w, 0.0) - 0.0) * 0.4  # quieter clutter
+    mask = _shape_mask(rng, SHAPES[label], h, w, larger=True)[..., None]
+    fill = np.clip(level + rng.choice([-1, 1]) * rng.uniform(50, 80) + rng.normal(0, 15, 3),
+                   0, 255)  # fmt: skip
+    return pixels * (1 - mask) + fill * mask + rng.normal(0, 12, size=(h, w, 3))
 
 
 def texture(rng: np.random.Generator, label: int) -> np.ndarray:
