@@ -42,9 +42,9 @@ if [ "${1:-}" = levers ]; then
   # compile scope (eager / whole model / blocks / CUDA graphs), start-up included, and
   # activation checkpointing's peak memory; ResNet-50 and ViT-B/16 at 224 px, bf16
   timeout 400 "$python" benchmarks/step_levers.py compile --device cuda --bf16 \
-    --models resnet50 vit_b_16 --image-size 224 --batch 128 --steps 20 > "$out/levers.log" 2>&1
+    --models resnet50 vit_b_16 --image-size 224 --batch 128 --steps 10 > "$out/levers.log" 2>&1
   row "compile scopes (benchmarks/step_levers.py)" "$(verdict $?)" "see levers.log"
-  timeout 150 "$python" benchmarks/step_levers.py memory --device cuda --bf16 \
+  timeout 160 "$python" benchmarks/step_levers.py memory --device cuda --bf16 \
     --models resnet50 vit_b_16 --image-size 224 --batch 128 --steps 5 >> "$out/levers.log" 2>&1
   row "activation checkpointing memory" "$(verdict $?)" "see levers.log"
   cat "$out/levers.log"
