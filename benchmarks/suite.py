@@ -35,13 +35,14 @@ sys.path.insert(0, str(HERE))
 
 from _machine import machine  # noqa: E402
 from suite_sets import SETS, make_set  # noqa: E402
-from time_to_accuracy import first_reach, launch  # noqa: E402
+from time_to_accuracy import first_reach  # noqa: E402
 from vs_plain_loop import plain_command  # noqa: E402
 
 CHOOSE = ("colour", "texture", "many")  # the recipes' rules may be chosen on these
 CONFIRM = ("shape", "fine", "few", "digits")  # and are confirmed on these
 ARMS = ("plain", "defaults", "third", "two-thirds")
 SIZES = {"digits": 32}  # the training size (the rest: --size)
+TIMEOUT = 600  # seconds a run may take before it is taken for stalled
 
 
 def write_digits(root: Path) -> Path:
@@ -74,6 +75,29 @@ def data_of(name: str, work: Path) -> Path:
         write_digits(root) if name == "digits" else make_set(name, root)
         written.write_text("")
     return root
+
+
+def launch(command: list[str], cwd: Path, threads: int, **env: str) -> tuple[float, str]:
+    """(time.time() at launch, stdout) of a command that must succeed, tried a second
+    time where the first hangs past TIMEOUT (a 2-process gloo run with loader workers
+    was seen to stall, once, with no process using the CPU)."""
+    import os
+    import subprocess
+    import time
+
+    environment = {**os.environ, "OMP_NUM_THREADS": str(threads), "PARATRAIN_NO_BAR": "1", **env}
+    for attempt in (1, 2):
+        start = time.time()
+        try:
+            done = subprocess.run(command, cwd=cwd, env=environment, capture_output=True,
+                                  text=True, timeout=TIMEOUT)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            print(f"  stalled past {TIMEOUT}s (attempt {attempt}): {' '.join(command[-12:])}")
+            continue
+        if done.returncode != 0:
+            sys.exit(f"failed: {' '.join(command)}\n{done.stderr[-3000:]}")
+        return start, done.stdout
+    sys.exit(f"stalled twice: {' '.join(command)}")
 
 
 def run_arm(name: str, arm: str, seed: int, args, done: dict) -> list[list[float]]:
