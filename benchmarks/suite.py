@@ -82,21 +82,26 @@ def launch(command: list[str], cwd: Path, threads: int, **env: str) -> tuple[flo
     time where the first hangs past TIMEOUT (a 2-process gloo run with loader workers
     was seen to stall, once, with no process using the CPU)."""
     import os
+    import signal
     import subprocess
     import time
 
     environment = {**os.environ, "OMP_NUM_THREADS": str(threads), "PARATRAIN_NO_BAR": "1", **env}
     for attempt in (1, 2):
         start = time.time()
+        process = subprocess.Popen(command, cwd=cwd, env=environment, text=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   start_new_session=True)  # fmt: skip
         try:
-            done = subprocess.run(command, cwd=cwd, env=environment, capture_output=True,
-                                  text=True, timeout=TIMEOUT)  # fmt: skip
+            out, err = process.communicate(timeout=TIMEOUT)
         except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)  # the launcher and its workers
+            process.communicate()
             print(f"  stalled past {TIMEOUT}s (attempt {attempt}): {' '.join(command[-12:])}")
             continue
-        if done.returncode != 0:
-            sys.exit(f"failed: {' '.join(command)}\n{done.stderr[-3000:]}")
-        return start, done.stdout
+        if process.returncode != 0:
+            sys.exit(f"failed: {' '.join(command)}\n{err[-3000:]}")
+        return start, out
     sys.exit(f"stalled twice: {' '.join(command)}")
 
 
