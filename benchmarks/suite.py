@@ -18,7 +18,7 @@ over the seeds), the equal-epoch gap to the plain loop at every epoch against on
 seed's spread, then the geometric means and the confirm half's targets.
 
     python benchmarks/suite.py run --sets colour fine digits --seeds 0 1 2
-    python benchmarks/suite.py report
+    python benchmarks/suite.py report [--markdown]
 """
 
 from __future__ import annotations
@@ -194,11 +194,40 @@ def _row(name: str, done: dict, seeds: list[int]) -> dict | None:
     return row
 
 
+def markdown(rows: dict) -> None:
+    """The table docs/benchmarks.md shows: a row a set, both halves."""
+    print("| set | half | seeds | plain best | defaults best / final | equal epochs: worst "
+          "gap (spread) | third: speed-up (reached), best / final | two thirds: speed-up "
+          "(reached), best / final |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+
+    def budget(r: dict, arm: str) -> str:
+        if arm not in r:
+            return "-"
+        a = r[arm]
+        fast = f"{a['speedup']:.2f}x" if a["speedup"] else "never"
+        return f"{fast} ({a['reached']}), {a['best']:.1%} / {a['final']:.1%}"
+
+    for name, r in rows.items():
+        half = "choose" if name in CHOOSE else "confirm"
+        d = r.get("defaults")
+        worst = "-"
+        if "gap" in r:
+            e = min(range(len(r["gap"])), key=lambda i: r["gap"][i])
+            worst = f"{r['gap'][e]:+.1%} at epoch {e + 1} ({r['spread'][e]:.1%})"
+        print(f"| {name} | {half} | {r['seeds']} | {r['plain']['best']:.1%} | "
+              + (f"{d['best']:.1%} / {d['final']:.1%}" if d else "-")
+              + f" | {worst} | {budget(r, 'third')} | {budget(r, 'two-thirds')} |")  # fmt: skip
+
+
 def report(args) -> None:
     done = load(args.results)
     seeds = sorted({seed for _, seed, _ in done})
     print(f"{args.results}: seeds {seeds}; {machine()}")
     rows = {name: r for name in (*CHOOSE, *CONFIRM) if (r := _row(name, done, seeds))}
+    if args.markdown:
+        markdown(rows)
+        return
     for half, names in (("choose", CHOOSE), ("confirm", CONFIRM)):
         print(f"\n{half} half: time to the plain loop's best as a speed-up over it "
               "(reached/runs), best / final top-1, means over the seeds")  # fmt: skip
@@ -247,6 +276,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--work", type=Path, default=Path("suite-work"))
     parser.add_argument("--results", type=Path, default=Path("suite-results.jsonl"))
+    parser.add_argument("--markdown", action="store_true", help="report: the docs' table")
     args = parser.parse_args()
     args.work = args.work.resolve()
     (run if args.what == "run" else report)(args)
