@@ -43,6 +43,7 @@ CONFIRM = ("shape", "fine", "few", "digits")  # and are confirmed on these
 ARMS = ("plain", "defaults", "third", "two-thirds")
 SIZES = {"digits": 32}  # the training size (the rest: --size)
 TIMEOUT = 600  # seconds a run may take before it is taken for stalled
+TOO_SHORT = "was used up before the first step"  # a budget shorter than the start-up
 
 
 def write_digits(root: Path) -> Path:
@@ -77,10 +78,13 @@ def data_of(name: str, work: Path) -> Path:
     return root
 
 
-def launch(command: list[str], cwd: Path, threads: int, **env: str) -> tuple[float, str]:
+def launch(
+    command: list[str], cwd: Path, threads: int, budget: bool = False, **env: str
+) -> tuple[float, str]:
     """(time.time() at launch, stdout) of a command that must succeed, tried a second
     time where the first hangs past TIMEOUT (a 2-process gloo run with loader workers
-    was seen to stall, once, with no process using the CPU)."""
+    was seen to stall, once, with no process using the CPU). ``budget``: a run refused
+    because its budget is shorter than its start-up gives no output (no epoch)."""
     import os
     import signal
     import subprocess
@@ -99,9 +103,9 @@ def launch(command: list[str], cwd: Path, threads: int, **env: str) -> tuple[flo
             process.communicate()
             print(f"  stalled past {TIMEOUT}s (attempt {attempt}): {' '.join(command[-12:])}")
             continue
-        if process.returncode != 0:
+        if process.returncode != 0 and not (budget and TOO_SHORT in err):
             sys.exit(f"failed: {' '.join(command)}\n{err[-3000:]}")
-        return start, out
+        return start, out if process.returncode == 0 else ""
     sys.exit(f"stalled twice: {' '.join(command)}")
 
 
@@ -127,8 +131,11 @@ def run_arm(name: str, arm: str, seed: int, args, done: dict) -> list[list[float
         str(size), "--batch-size", "16", "--epochs", str(args.epochs), "--nproc",
         str(args.nproc), "--name", run_name, "--seed", str(seed), *extra,
     ]  # fmt: skip
-    launch(command, args.work, threads, PARATRAIN_CACHE=str(args.work / "cache" / run_name))
+    _, out = launch(command, args.work, threads, bool(extra),
+                    PARATRAIN_CACHE=str(args.work / "cache" / run_name))  # fmt: skip
     metrics = args.work / "runs" / run_name / "metrics.jsonl"
+    if not metrics.exists():  # refused: its budget was shorter than its start-up
+        return []
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     return [[row["since_start_s"], row["val_top1"]] for row in rows]
 
@@ -153,6 +160,10 @@ def run(args) -> None:
                 with args.results.open("a") as handle:
                     handle.write(json.dumps({"set": name, "seed": seed, "arm": arm,
                                              "curve": curve}) + "\n")  # fmt: skip
+                if not curve:
+                    print(f"{name} seed {seed} {arm}: refused, its budget shorter than its "
+                          "start-up", flush=True)  # fmt: skip
+                    continue
                 best = max(a for _, a in curve)
                 print(f"{name} seed {seed} {arm}: best {best:.1%} final {curve[-1][1]:.1%} "
                       f"in {curve[-1][0]:.0f}s", flush=True)  # fmt: skip
@@ -176,9 +187,9 @@ def _row(name: str, done: dict, seeds: list[int]) -> dict | None:
             if t is not None and b is not None:
                 speed.append(b / t)
                 reached += 1
-        row[arm] = {
-            "best": float(np.mean([max(a for _, a in c) for _, c in curves])),
-            "final": float(np.mean([c[-1][1] for _, c in curves])),
+        row[arm] = {  # a run refused for its short budget trained nothing: 0
+            "best": float(np.mean([max((a for _, a in c), default=0.0) for _, c in curves])),
+            "final": float(np.mean([c[-1][1] if c else 0.0 for _, c in curves])),
             "speedup": float(np.exp(np.mean(np.log(speed)))) if speed else None,
             "reached": f"{reached}/{len(curves)}",
         }
