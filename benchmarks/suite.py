@@ -36,6 +36,7 @@ sys.path.insert(0, str(HERE))
 from _machine import machine  # noqa: E402
 from suite_sets import SETS, make_set  # noqa: E402
 from time_to_accuracy import first_reach  # noqa: E402
+from time_to_accuracy import launch as launch_once  # noqa: E402
 from vs_plain_loop import plain_command  # noqa: E402
 
 CHOOSE = ("colour", "texture", "many")  # the recipes' rules may be chosen on these
@@ -81,31 +82,18 @@ def data_of(name: str, work: Path) -> Path:
 def launch(
     command: list[str], cwd: Path, threads: int, budget: bool = False, **env: str
 ) -> tuple[float, str]:
-    """(time.time() at launch, stdout) of a command that must succeed, tried a second
-    time where the first hangs past TIMEOUT (a 2-process gloo run with loader workers
-    was seen to stall, once, with no process using the CPU). ``budget``: a run refused
-    because its budget is shorter than its start-up gives no output (no epoch)."""
-    import os
-    import signal
+    """time_to_accuracy.launch, tried a second time where the first hangs past TIMEOUT
+    (a 2-process gloo run with loader workers was seen to stall, once, with no process
+    using the CPU). ``budget``: a run refused because its budget is shorter than its
+    start-up gives no output (no epoch)."""
     import subprocess
-    import time
 
-    environment = {**os.environ, "OMP_NUM_THREADS": str(threads), "PARATRAIN_NO_BAR": "1", **env}
     for attempt in (1, 2):
-        start = time.time()
-        process = subprocess.Popen(command, cwd=cwd, env=environment, text=True,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   start_new_session=True)  # fmt: skip
         try:
-            out, err = process.communicate(timeout=TIMEOUT)
+            return launch_once(command, cwd, threads, timeout=TIMEOUT,
+                               tolerate=TOO_SHORT if budget else None, **env)  # fmt: skip
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)  # the launcher and its workers
-            process.communicate()
             print(f"  stalled past {TIMEOUT}s (attempt {attempt}): {' '.join(command[-12:])}")
-            continue
-        if process.returncode != 0 and not (budget and TOO_SHORT in err):
-            sys.exit(f"failed: {' '.join(command)}\n{err[-3000:]}")
-        return start, out if process.returncode == 0 else ""
     sys.exit(f"stalled twice: {' '.join(command)}")
 
 

@@ -59,10 +59,11 @@ SETS = {"hard": HARD, "mirror-safe": MIRROR_SAFE}
 LOW_RES = ["--image-size", "40", "--val-size", "48", "--batch-size", "32", "--lr-base", "0.08"]
 
 
-def launch(command: list[str], cwd: Path, threads: int, **env: str) -> tuple[float, str]:
-    """(time.time() at launch, stdout) of a command that must succeed."""
+def launch(command: list[str], cwd: Path, threads: int, **options) -> tuple[float, str]:
+    """(time.time() at launch, stdout) of a command that must succeed (``options``:
+    vs_plain_loop.run's timeout and tolerate, and environment variables)."""
     start = time.time()
-    _, out = run(command, threads, cwd, **env)
+    _, out = run(command, threads, cwd, **options)
     return start, out
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -76,14 +77,31 @@ def make_folder(
     return root
 
 
-def run(command: list[str], threads: int, cwd: Path, **extra: str) -> tuple[float, str]:
+def run(
+    command: list[str],
+    threads: int,
+    cwd: Path,
+    timeout: float | None = None,
+    tolerate: str | None = None,
+    **extra: str,
+) -> tuple[float, str]:
+    """(wall seconds, stdout) of a command that must succeed, or whose error names
+    ``tolerate`` (then no output). Past ``timeout`` its whole process group (a launcher
+    and its workers) is killed and subprocess.TimeoutExpired raised."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PARATRAIN_NO_BAR": "1", **extra}
     start = time.perf_counter()
-    out = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
+    process = subprocess.Popen(command, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise
     wall = time.perf_counter() - start
-    if out.returncode != 0:
-        sys.exit(f"failed: {' '.join(command)}\n{out.stderr[-3000:]}")
-    return wall, out.stdout
+    if process.returncode != 0 and not (tolerate and tolerate in err):
+        sys.exit(f"failed: {' '.join(command)}\n{err[-3000:]}")
+    return wall, out if process.returncode == 0 else ""
 
 
 def plain_command(data: Path, size: int, nproc: int, epochs: int, *extra: str) -> list[str]:

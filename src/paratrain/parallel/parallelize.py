@@ -86,6 +86,8 @@ def parallelize(model: nn.Module, cfg: TrainConfig, runtime: Runtime) -> ModelPa
 def _by_block(model: nn.Module, cfg: TrainConfig, compile_blocks: bool) -> None:
     """--activation-checkpointing and regional compilation, each repeated block in
     place; a model without repeated blocks is compiled whole, in place."""
+    if not (cfg.activation_checkpointing or compile_blocks):
+        return
     from paratrain.parallel import regions
 
     blocks = regions.repeated_blocks(model)

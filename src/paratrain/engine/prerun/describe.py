@@ -222,5 +222,5 @@ def embedded_data(
 
 
 def _compiled(cfg: TrainConfig) -> str:
-    """What --compile compiles under the run's strategy, in words."""
+    """What --compile compiles (--compile-scope), in words."""
     return "each repeated block" if cfg.compile_scope == "blocks" else "the whole model"
