@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -113,11 +114,11 @@ def run_arm(name: str, arm: str, seed: int, args, done: dict) -> list[list[float
         share = 1 / 3 if arm == "third" else 2 / 3
         seconds = first_reach(base, max(a for _, a in base)) * share
         extra = ["--budget", f"{max(seconds, 5):.0f}s"]
-    run_name = f"{name}-{arm}-{seed}"
+    run_name = f"{args.results.stem}-{name}-{arm}-{seed}"
     command = [
         sys.executable, "-m", "paratrain", "train", "--data", str(data), "--image-size",
         str(size), "--batch-size", "16", "--epochs", str(args.epochs), "--nproc",
-        str(args.nproc), "--name", run_name, "--seed", str(seed), *extra,
+        str(args.nproc), "--name", run_name, "--seed", str(seed), *extra, *args.flags,
     ]  # fmt: skip
     _, out = launch(command, args.work, threads, bool(extra),
                     PARATRAIN_CACHE=str(args.work / "cache" / run_name))  # fmt: skip
@@ -278,6 +279,9 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("suite-work"))
     parser.add_argument("--results", type=Path, default=Path("suite-results.jsonl"))
     parser.add_argument("--markdown", action="store_true", help="report: the docs' table")
+    parser.add_argument("--flags", type=shlex.split, default=[],
+                        help="run: more paratrain flags for its arms (a variant tried: give it "
+                        "its own --results, with the plain runs copied in)")  # fmt: skip
     args = parser.parse_args()
     args.work = args.work.resolve()
     (run if args.what == "run" else report)(args)
