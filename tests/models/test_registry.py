@@ -74,3 +74,29 @@ def test_pickle_that_is_not_a_state_dict(tmp_path):
         read_state_dict(tmp_path / "list.pt")
     with pytest.raises(UserError, match="not found"):
         read_state_dict(tmp_path / "absent.pt")
+
+
+@pytest.mark.parametrize(
+    ("name", "last", "blocks"), [("resnet18", "bn2", 8), ("resnet50", "bn3", 16)]
+)
+def test_zero_init_residual_starts_every_block_as_its_shortcut(name, last, blocks):
+    from paratrain.config import TrainConfig
+    from paratrain.models.registry import build_model
+
+    model = build_model(TrainConfig(model=name, zero_init_residual=True), 3)
+    zeroed = [n for n, p in model.named_parameters() if n.endswith(f"{last}.weight")]
+    assert len(zeroed) == blocks
+    assert all(not model.get_parameter(n).any() for n in zeroed)
+    plain = build_model(TrainConfig(model=name), 3)
+    assert all(plain.get_parameter(n).all() for n in zeroed)  # ones as built
+    # the rest as without it: the same seed, the same weights
+    others = {n for n, _ in model.named_parameters()} - set(zeroed)
+    assert all(torch.equal(model.get_parameter(n), plain.get_parameter(n)) for n in others)
+
+
+def test_zero_init_residual_on_a_model_without_known_blocks_is_a_user_error():
+    from paratrain.config import TrainConfig
+    from paratrain.models.registry import build_model
+
+    with pytest.raises(UserError, match="--zero-init-residual: mobilenet_v3_small has no"):
+        build_model(TrainConfig(model="mobilenet_v3_small", zero_init_residual=True), 3)

@@ -299,6 +299,30 @@ def start_from(
     return report
 
 
+def zero_init_residual(model: nn.Module, name: str = "") -> int:
+    """Zero the last BatchNorm's scale in each residual block (torchvision's ResNet
+    BasicBlock.bn2 and Bottleneck.bn3; any timm block with ``zero_init_last``), so each
+    block starts as its shortcut; the number of blocks. None found is a user error: the
+    model has no such blocks."""
+    from torchvision.models.resnet import BasicBlock, Bottleneck
+
+    count = 0
+    for module in model.modules():
+        last = {BasicBlock: "bn2", Bottleneck: "bn3"}.get(type(module))
+        if last is not None:
+            nn.init.zeros_(getattr(module, last).weight)
+            count += 1
+        elif callable(getattr(module, "zero_init_last", None)):
+            module.zero_init_last()
+            count += 1
+    if not count:
+        raise UserError(
+            f"--zero-init-residual: {name or 'the model'} has no residual blocks it knows "
+            "(torchvision's ResNets, timm's blocks with zero_init_last)"
+        )
+    return count
+
+
 def build_model(
     cfg: TrainConfig, num_classes: int, device: torch.device | None = None
 ) -> nn.Module:
@@ -312,6 +336,8 @@ def build_model(
     try:
         with torch.device(device) if device is not None else contextlib.nullcontext():
             model = create_model(cfg.model, num_classes, cfg.train_size)
+        if cfg.zero_init_residual and not cfg.weights:
+            zero_init_residual(model, cfg.model)
         if cfg.weights and not meta:
             start_from(model, cfg.model, cfg.weights, cfg.weights_strict, num_classes)
     except UserError as exc:

@@ -36,6 +36,15 @@ class ModelSettings:
         group="model",
         resume="quiet",
     )
+    zero_init_residual: bool = setting(
+        False,
+        "start each residual block's last BatchNorm at zero, so every block starts as the "
+        "identity (torchvision's zero_init_residual, timm's zero_init_last); from scratch "
+        "only, as --weights replace it",
+        group="model",
+        resume="fixed",
+        resume_why="it sets the initial weights",
+    )
     freeze_backbone: bool = setting(
         False,
         "train only the classifier head (fc / classifier / head); use with --weights",
