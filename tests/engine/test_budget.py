@@ -95,7 +95,7 @@ def test_auto_keeps_the_sizes_where_low_res_would_train_too_small(monkeypatch):
     from paratrain.distributed.env import DistEnv
     from paratrain.distributed.runtime import Runtime
 
-    cfg = TrainConfig(data="d", image_size=16, budget="30s")
+    cfg = TrainConfig(data="d", image_size=32, budget="30s")
     assert budget_module.may_choose(cfg)
     assert budget_module.low_res(cfg).train_size < budget_module.SMALLEST
     said = _Said()
@@ -103,7 +103,7 @@ def test_auto_keeps_the_sizes_where_low_res_would_train_too_small(monkeypatch):
     runtime = Runtime(env=DistEnv(), device=torch.device("cpu"), backend=None)
     chosen = budget_module.choose_recipe(cfg, runtime, _split(1000, 100), None)
     assert chosen.budget_recipe == "fixed"
-    assert said.lines == ["budget 30s: the sizes as given (low-res would train at 8 px, below 16)"]
+    assert said.lines == ["budget 30s: the sizes as given (low-res would train at 16 px, below 32)"]
 
 
 def test_progressive_sizes_rise_late_and_end_at_the_largest():
@@ -208,12 +208,12 @@ def test_auto_times_real_steps_and_chooses_low_res_when_few_epochs_fit(
     monkeypatch.setattr(
         budget_module, "_detail_lost", lambda *_: False
     )  # tests/engine/test_detail.py
-    cfg = TrainConfig(data="d", model="resnet18", image_size=32, batch_size=4, budget=budget)
+    cfg = TrainConfig(data="d", model="resnet18", image_size=64, batch_size=4, budget=budget)
     decided = budget_module.choose_recipe(cfg, one_process, _split(400, 100), None)
     assert decided.budget_recipe == chosen
     # said before the probe (its seconds are the budget's), and after it with its cost
     assert len(said.lines) == 2 and "timing a few steps" in said.lines[0], said.lines
-    assert "epochs fit at 32 px" in said.lines[1] and "timing took" in said.lines[1]
+    assert "epochs fit at 64 px" in said.lines[1] and "timing took" in said.lines[1]
     assert said.lines[-1].endswith(
         "--budget-recipe low-res" if chosen == "low-res" else "the sizes as given"
     )
@@ -229,7 +229,7 @@ def test_auto_reckons_the_epoch_from_the_step_and_the_replicas(monkeypatch, one_
     monkeypatch.setattr(probe, "step_seconds", lambda cfg, runtime: (0.1, 2))
     monkeypatch.setattr(budget_module, "since_start", lambda: 0.0)
     monkeypatch.setattr(budget_module, "_detail_lost", lambda *_: False)
-    cfg = TrainConfig(data="d", model="resnet18", image_size=32, batch_size=4, budget="60s")
+    cfg = TrainConfig(data="d", model="resnet18", image_size=64, batch_size=4, budget="60s")
     assert budget_module.epoch_seconds(0.1, cfg, 800, 200, 2) == pytest.approx(0.1 * (100 + 25 / 3))
     assert budget_module.choose_recipe(cfg, one_process, _split(800, 200), None).budget_recipe == (
         "low-res"
@@ -248,14 +248,14 @@ def test_auto_keeps_what_a_resumed_run_recorded_and_never_a_size_the_model_refus
         raise AssertionError("a resumed run or a refused size times nothing")
 
     monkeypatch.setattr(probe, "step_seconds", never)
-    cfg = TrainConfig(data="d", model="resnet18", image_size=32, batch_size=4, budget="1s")
+    cfg = TrainConfig(data="d", model="resnet18", image_size=64, batch_size=4, budget="1s")
     replace(cfg, budget_recipe="low-res").save(tmp_path / "config.yaml")
     assert budget_module.recorded_recipe(tmp_path) == "low-res"
     assert budget_module.choose_recipe(
         cfg, one_process, _split(400, 100), tmp_path
     ).budget_recipe == ("low-res")
     assert budget_module.recorded_recipe(tmp_path / "none") == "fixed"  # no config.yaml
-    # a ViT made for 32 px takes no other size: the sizes as given
+    # a ViT made for 64 px takes no other size: the sizes as given
     vit = replace(cfg, model="vit_b_16")
     assert budget_module.choose_recipe(vit, one_process, _split(400, 100), None).budget_recipe == (
         "fixed"
@@ -263,22 +263,23 @@ def test_auto_keeps_what_a_resumed_run_recorded_and_never_a_size_the_model_refus
 
 
 @pytest.mark.parametrize(
-    ("budget", "recipe", "said"),
+    ("budget", "recipe", "size", "said"),
     [
-        ("1s", "auto", "so the run would likely choose --budget-recipe low-res"),
-        ("100h", "auto", None),
-        ("100h", "low-res", "--budget-recipe low-res: training at 16 px, evaluating at 24"),
+        ("1s", "auto", 64, "so the run would likely choose --budget-recipe low-res"),
+        ("1s", "auto", 32, None),  # low-res would train at 16 px, below SMALLEST
+        ("100h", "auto", 64, None),
+        ("100h", "low-res", 64, "--budget-recipe low-res: training at 40 px, evaluating at 48"),
     ],
 )
-def test_a_dry_run_says_the_epochs_that_fit_and_the_recipe(budget, recipe, said):
+def test_a_dry_run_says_the_epochs_that_fit_and_the_recipe(budget, recipe, size, said):
     from paratrain.bench.speed import budget_plan
 
     cfg = TrainConfig(
-        data="d", model="resnet18", image_size=32, batch_size=4, budget=budget,
+        data="d", model="resnet18", image_size=size, batch_size=4, budget=budget,
         budget_recipe=recipe,
     )  # fmt: skip
     line = budget_plan(cfg, 400, 100, 2)
-    timed = 16 if recipe == "low-res" else 32  # a low-res run's steps are timed at its size
+    timed = 40 if recipe == "low-res" else size  # a low-res run's steps are timed at its size
     assert f"epochs at {timed} px" in line, line
     assert (said in line) if said else ("low-res" not in line), line
 

@@ -211,9 +211,11 @@ def budget_plan(cfg: TrainConfig, train: int, val: int, world: int) -> str:
     from paratrain.distributed.runtime import distributed
     from paratrain.engine.prerun.budget import (
         SHORT,
+        SMALLEST,
         concrete,
         duration,
         epoch_seconds,
+        low_res,
         may_choose,
         recipe_words,
     )
@@ -229,7 +231,7 @@ def budget_plan(cfg: TrainConfig, train: int, val: int, world: int) -> str:
     recipe = ""
     if cfg.budget_recipe == "low-res":
         recipe = f"; --budget-recipe low-res: {recipe_words(cfg)}"
-    elif may_choose(cfg) and epochs < SHORT:
+    elif may_choose(cfg) and epochs < SHORT and low_res(cfg).train_size >= SMALLEST:
         recipe = (
             f"; under {SHORT:.0f}, so the run would likely choose --budget-recipe low-res "
             f"(it times its own steps to decide): {recipe_words(cfg)}"
