@@ -194,30 +194,73 @@ def _row(name: str, done: dict, seeds: list[int]) -> dict | None:
     return row
 
 
+def _behind(r: dict) -> bool:
+    """Whether the defaults' mean is ever behind the plain loop's by more than a seed's
+    spread at an equal epoch."""
+    return min(g + s for g, s in zip(r["gap"], r["spread"], strict=True)) < 0
+
+
+def _geo(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None]
+    return float(np.exp(np.mean(np.log(np.maximum(values, 1e-9))))) if values else None
+
+
+def _mean_row(rows: list[dict]) -> dict:
+    """A half's means over its sets: accuracies over every set (arithmetic: a refused
+    run's 0 stays a 0), speed-ups geometric over the sets that reached (how many did), the sets whose equal-epoch gap ever exceeds
+    a seed's spread."""
+    mean: dict = {"seeds": min(r["seeds"] for r in rows)}
+    for arm in ARMS:
+        had = [r[arm] for r in rows if arm in r]
+        if not had:
+            continue
+        speeds = [a["speedup"] for a in had if a["speedup"]]
+        mean[arm] = {
+            "best": float(np.mean([a["best"] for a in had])),
+            "final": float(np.mean([a["final"] for a in had])),
+            "speedup": _geo(speeds),
+            "reached": f"{len(speeds)}/{len(had)} sets",
+        }
+    gapped = [r for r in rows if "gap" in r]
+    behind = sum(1 for r in gapped if _behind(r))
+    mean["behind"] = f"{behind}/{len(gapped)} sets behind by more than a spread"
+    return mean
+
+
 def markdown(rows: dict) -> None:
-    """The table docs/benchmarks.md shows: a row a set, both halves."""
-    print("| set | half | seeds | plain best | defaults best / final | equal epochs: worst "
-          "gap (spread) | third: speed-up (reached), best / final | two thirds: speed-up "
-          "(reached), best / final |")  # fmt: skip
+    """The table docs/benchmarks.md shows: a row a set, both halves, each half's means
+    (_mean_row)."""
+    print("| set | half | seeds | plain best / final | defaults best / final | equal epochs: "
+          "worst gap (spread) | third: speed-up (reached), best / final | two thirds: "
+          "speed-up (reached), best / final |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
+
+    def pair(r: dict, arm: str) -> str:
+        return f"{r[arm]['best']:.1%} / {r[arm]['final']:.1%}" if arm in r else "-"
 
     def budget(r: dict, arm: str) -> str:
         if arm not in r:
             return "-"
         a = r[arm]
         fast = f"{a['speedup']:.2f}x" if a["speedup"] else "never"
-        return f"{fast} ({a['reached']}), {a['best']:.1%} / {a['final']:.1%}"
+        return f"{fast} ({a['reached']}), {pair(r, arm)}"
 
-    for name, r in rows.items():
-        half = "choose" if name in CHOOSE else "confirm"
-        d = r.get("defaults")
-        worst = "-"
-        if "gap" in r:
-            e = min(range(len(r["gap"])), key=lambda i: r["gap"][i])
-            worst = f"{r['gap'][e]:+.1%} at epoch {e + 1} ({r['spread'][e]:.1%})"
-        print(f"| {name} | {half} | {r['seeds']} | {r['plain']['best']:.1%} | "
-              + (f"{d['best']:.1%} / {d['final']:.1%}" if d else "-")
-              + f" | {worst} | {budget(r, 'third')} | {budget(r, 'two-thirds')} |")  # fmt: skip
+    for half, names in (("choose", CHOOSE), ("confirm", CONFIRM)):
+        had = [n for n in names if n in rows]
+        for name in had:
+            r = rows[name]
+            worst = "-"
+            if "gap" in r:
+                e = min(range(len(r["gap"])), key=lambda i: r["gap"][i] + r["spread"][i])
+                worst = f"{r['gap'][e]:+.1%} at epoch {e + 1} ({r['spread'][e]:.1%})"
+            print(f"| {name} | {half} | {r['seeds']} | {pair(r, 'plain')} | "
+                  f"{pair(r, 'defaults')} | {worst} | {budget(r, 'third')} | "
+                  f"{budget(r, 'two-thirds')} |")  # fmt: skip
+        if had:
+            m = _mean_row([rows[n] for n in had])
+            print(f"| **{half} half, mean** | {half} | {m['seeds']} | "
+                  f"{pair(m, 'plain')} | {pair(m, 'defaults')} | {m['behind']} | "
+                  f"{budget(m, 'third')} | {budget(m, 'two-thirds')} |")  # fmt: skip
 
 
 def report(args) -> None:
