@@ -152,3 +152,27 @@ def test_bad_recipe_values_are_one_line_errors(small_data, capsys, flag, value, 
     assert code == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_ema_warms_up_as_timm_does_then_keeps_its_decay():
+    """(1 + n) / (10 + n) after n updates while that is below the decay: the average of
+    a short run is not mostly its random start; a resumed average goes on from its
+    count."""
+    from paratrain.engine.run.recipe import EMA
+    from paratrain.parallel.parts import ModelParts
+
+    layer = torch.nn.Linear(1, 1, bias=False)
+    ema = EMA(ModelParts([layer]), 0.3)
+    expected = None
+    for value in (1.0, 2.0, 3.0, 4.0):
+        with torch.no_grad():
+            layer.weight.fill_(value)
+        decay = ema.decay_now()
+        ema.update()  # the first copies the weights
+        expected = value if expected is None else decay * expected + (1 - decay) * value
+        assert ema.module.weight.item() == pytest.approx(expected)
+    assert ema.steps == 4 and ema.decay_now() == 0.3  # 5/14 is above 0.3: the decay
+    assert EMA(ModelParts([layer]), 0.99).decay_now() == pytest.approx(1 / 10)
+    again = EMA(ModelParts([torch.nn.Linear(1, 1, bias=False)]), 0.3)
+    again.load_state_dict(ema.state_dict())
+    assert again.steps == 4 and again.module.weight.item() == pytest.approx(expected)

@@ -115,9 +115,9 @@ class OptimizationSettings:
     )
     ema_decay: float | None = setting(
         None,
-        "keep an exponential moving average of the "
-        "weights with this decay (e.g. 0.999), evaluated every "
-        "epoch and saved beside the raw weights",
+        "keep an exponential moving average of the weights with this decay (e.g. 0.999; "
+        "warmed up over the first steps as timm's: (1 + n) / (10 + n) after n), evaluated "
+        "every epoch and saved beside the raw weights",
         group="recipe",
         low=0.0,
         high=1.0,

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.optim import sgd as sgd_module  # private: checked by private_sgd_fits
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.optim.swa_utils import AveragedModel
 
 from paratrain.config import TrainConfig
 from paratrain.engine.run.precision import Precision
@@ -430,10 +430,23 @@ class EMA:
 
     def __init__(self, parts: ModelParts, decay: float):
         (module,) = parts.unwrapped()
-        self.source = module
-        self.averaged = AveragedModel(
-            module, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True
-        )
+        self.source, self.decay, self.steps = module, decay, 0
+        self.averaged = AveragedModel(module, multi_avg_fn=self._average, use_buffers=True)
+
+    def decay_now(self) -> float:
+        """The decay of the next update: ``decay``, warmed up as timm's EMA does
+        ((1 + n) / (10 + n) after n updates, while that is smaller), so that a short run's
+        average is not mostly its random start."""
+        return min(self.decay, (1 + self.steps) / (10 + self.steps))
+
+    @torch.no_grad()
+    def _average(self, averaged: list, current: list, _count) -> None:
+        """torch's EMA update (get_ema_multi_avg_fn) at this step's decay: lerp for
+        floating tensors, counters (BatchNorm's batches tracked) taken as they are."""
+        if torch.is_floating_point(averaged[0]):
+            torch._foreach_lerp_(averaged, current, 1 - self.decay_now())
+        else:
+            torch._foreach_copy_(averaged, current)
 
     @property
     def module(self) -> nn.Module:
@@ -444,6 +457,7 @@ class EMA:
     def update(self) -> None:
         """Average in the weights the optimizer just stepped."""
         self.averaged.update_parameters(self.source)
+        self.steps += 1
 
     def state_dict(self) -> dict:
         """The averaged weights and how many steps they average, for the checkpoint."""
@@ -456,6 +470,7 @@ class EMA:
         """Resume the average where the checkpoint left it."""
         self.module.load_state_dict(state["model"])
         self.averaged.n_averaged.fill_(state["n_averaged"])
+        self.steps = int(state["n_averaged"])
 
 
 def continue_with(
