@@ -126,7 +126,7 @@ def run_arm(name: str, arm: str, seed: int, args, done: dict) -> list[list[float
     if not metrics.exists():  # refused: its budget was shorter than its start-up
         return []
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return [[row["since_start_s"], row["val_top1"]] for row in rows]
+    return [[row["since_start_s"], row[args.curve]] for row in rows]
 
 
 def load(results: Path) -> dict[tuple[str, int, str], list[list[float]]]:
@@ -325,6 +325,9 @@ def main() -> None:
     parser.add_argument("--flags", type=shlex.split, default=[],
                         help="run: more paratrain flags for its arms (a variant tried: give it "
                         "its own --results, with the plain runs copied in)")  # fmt: skip
+    parser.add_argument("--curve", default="val_top1",
+                        help="run: the metrics column a paratrain arm's curve is read from "
+                        "(val_top1_ema: the EMA weights', with --flags '--ema-decay D')")  # fmt: skip
     args = parser.parse_args()
     args.work = args.work.resolve()
     (run if args.what == "run" else report)(args)
