@@ -48,6 +48,7 @@ SMALLEST = 32
 # of the budget and a second; near the end that is what the run may miss by
 SLACK, DRIFT = 0.02, 0.1
 TRAIN_SHARE, EVAL_SHARE = 5 / 8, 3 / 4  # low-res: of the training and validation sizes
+BATCH_FACTOR = 2  # low-res: the batch a process, as a multiple of the one given
 
 
 def duration(seconds: float) -> str:
@@ -198,8 +199,8 @@ def low_res(cfg: TrainConfig) -> TrainConfig:
         cfg,
         train_crop=eighth(cfg.train_size * TRAIN_SHARE),
         val_crop=eighth(cfg.eval_crop * EVAL_SHARE),
-        batch_size=2 * cfg.batch,
-        lr_base=cfg.lr_base / 2 if cfg.lr is None else cfg.lr_base,
+        batch_size=BATCH_FACTOR * cfg.batch,
+        lr_base=cfg.lr_base / BATCH_FACTOR if cfg.lr is None else cfg.lr_base,
         budget_recipe="fixed",  # its sizes are explicit now (a checkpoint keeps them)
     )
 
