@@ -182,22 +182,33 @@ def _row(name: str, done: dict, seeds: list[int]) -> dict | None:
             "speedup": float(np.exp(np.mean(np.log(speed)))) if speed else None,
             "reached": f"{reached}/{len(curves)}",
         }
-    # equal epochs: the defaults' top-1 less the plain loop's, epoch by epoch, against
-    # the plain loop's spread over the seeds
+    # equal epochs: the defaults' top-1 less the plain loop's, epoch by epoch (means over
+    # the seeds), against one seed's spread
     pairs = [(done[(name, s, "plain")], done[(name, s, "defaults")]) for s in seeds
              if (name, s, "defaults") in done]  # fmt: skip
     if pairs:
         epochs = min(min(len(p), len(d)) for p, d in pairs)
         gap = [float(np.mean([d[e][1] - p[e][1] for p, d in pairs])) for e in range(epochs)]
-        spread = [float(np.std([p[e][1] for p, _ in pairs])) for e in range(epochs)]
-        row["gap"], row["spread"] = gap, spread
+        row["gap"], row["spread"] = gap, spread_of([p[:epochs] for p, _ in pairs])
     return row
+
+
+def spread_of(curves: list[list[list[float]]]) -> float:
+    """One seed's spread on a set: the plain loop's standard deviation over the seeds
+    (sample, ddof 1), pooled over the epochs (the root of the mean variance). Pooled,
+    since three seeds' deviation at one epoch is itself a noisy figure (it was 0.5
+    points at one epoch of a set whose epochs' ranged to 5.8), and the worst of eight
+    such epochs would then decide."""
+    if len(curves) < 2:
+        return 0.0
+    top1 = np.array([[a for _, a in curve] for curve in curves])
+    return float(np.sqrt(np.mean(np.var(top1, axis=0, ddof=1))))
 
 
 def _behind(r: dict) -> bool:
     """Whether the defaults' mean is ever behind the plain loop's by more than a seed's
     spread at an equal epoch."""
-    return min(g + s for g, s in zip(r["gap"], r["spread"], strict=True)) < 0
+    return min(r["gap"]) + r["spread"] < 0
 
 
 def _geo(values: list[float]) -> float | None:
@@ -251,8 +262,8 @@ def markdown(rows: dict) -> None:
             r = rows[name]
             worst = "-"
             if "gap" in r:
-                e = min(range(len(r["gap"])), key=lambda i: r["gap"][i] + r["spread"][i])
-                worst = f"{r['gap'][e]:+.1%} at epoch {e + 1} ({r['spread'][e]:.1%})"
+                e = min(range(len(r["gap"])), key=lambda i: r["gap"][i])
+                worst = f"{r['gap'][e]:+.1%} at epoch {e + 1} ({r['spread']:.1%})"
             print(f"| {name} | {half} | {r['seeds']} | {pair(r, 'plain')} | "
                   f"{pair(r, 'defaults')} | {worst} | {budget(r, 'third')} | "
                   f"{budget(r, 'two-thirds')} |")  # fmt: skip
@@ -289,10 +300,9 @@ def report(args) -> None:
                     cells.append(f"{arm} {fast}{a['best']:.1%} / {a['final']:.1%}")
             print(f"  {name} ({r['seeds']} seeds): " + "; ".join(cells))
             if "gap" in r:
-                worst = min(g + s for g, s in zip(r["gap"], r["spread"], strict=True))
                 print("    equal epochs, defaults - plain: " + " ".join(
-                    f"{g:+.1%}" for g in r["gap"]) + f" (spread {np.mean(r['spread']):.1%}; "
-                    f"{'never behind by more' if worst >= 0 else 'behind by more'} than a "
+                    f"{g:+.1%}" for g in r["gap"]) + f" (spread {r['spread']:.1%}; "
+                    f"{'behind by more' if _behind(r) else 'never behind by more'} than a "
                     "seed's spread)")  # fmt: skip
         speeds = [rows[n][arm]["speedup"] for n in names if n in rows
                   for arm in ("third",) if arm in rows[n] and rows[n][arm]["speedup"]]  # fmt: skip
@@ -300,13 +310,34 @@ def report(args) -> None:
         if speeds:
             print(f"  third reached the loop's best on {len(speeds)} of {ran} sets; the "
                   f"geometric mean of their speed-ups: {np.exp(np.mean(np.log(speeds))):.2f}x")  # fmt: skip
-    confirm = [rows[n] for n in CONFIRM if n in rows]
-    if confirm:
-        third = sum(1 for r in confirm if "third" in r and (r["third"]["speedup"] or 0) >= 3)
-        final = all(r.get("defaults", {}).get("final", 0) >= r["plain"]["final"] for r in confirm)
-        print(f"\nconfirm half: a third of the time reaches the loop's best 3x sooner on "
-              f"{third}/{len(confirm)} sets (target: two thirds); defaults' final at least the "
-              f"loop's on every set: {final}")  # fmt: skip
+    for half, names in (("choose", CHOOSE), ("confirm", CONFIRM)):
+        if had := [rows[n] for n in names if n in rows]:
+            print(f"\n{half} half against the targets: " + targets(had))
+
+
+def targets(rows: list[dict]) -> str:
+    """The issue's three targets on a half: a third of the time reaches the plain loop's
+    best at least 3x sooner (on most of a set's seeds) on two thirds of the sets; each
+    arm's final top-1 at least the loop's; no set behind by more than a seed's spread at
+    an equal epoch."""
+
+    def fast(a: dict) -> bool:
+        ran, _, of = a["reached"].partition("/")
+        return (a["speedup"] or 0) >= 3 and int(ran) > int(of) / 2
+
+    third = sum(1 for r in rows if "third" in r and fast(r["third"]))
+    finals = [
+        f"{arm} {sum(1 for r in rows if arm in r and r[arm]['final'] >= r['plain']['final'])}"
+        f"/{sum(1 for r in rows if arm in r)}"
+        for arm in ARMS[1:]
+    ]
+    behind = sum(1 for r in rows if "gap" in r and _behind(r))
+    return (
+        f"a third of the time reaches the loop's best 3x sooner on {third}/{len(rows)} sets "
+        f"(target: two thirds); final at least the loop's on every set ({', '.join(finals)} "
+        f"sets); sets behind by more than a seed's spread at an equal epoch: {behind} "
+        "(target: none)"
+    )
 
 
 def main() -> None:
