@@ -49,8 +49,8 @@ def test_option_trains_to_finite_loss(small_data, tmp_path, options):
     assert math.isfinite(summary["final"]["train_loss"])
     assert summary["final"]["val_count"] == 6
     # the settings as the run resolved them: balanced data of one class an image, so no
-    # balancing, top-1
-    resolved = {"balance": "none", "monitor": "top1", "task": "multiclass"}
+    # balancing, top-1; an average of the weights over two epochs of 3 steps, at least 10
+    resolved = {"balance": "none", "monitor": "top1", "task": "multiclass", "ema_decay": 0.9}
     assert state.config == {**cfg.to_dict(), **resolved}
     if cfg.opt == "adamw":
         assert "exp_avg" in next(iter(state.optimizer["state"].values()))
@@ -140,7 +140,7 @@ def test_tensorboard_missing_is_a_clear_error(small_data, monkeypatch):
     [
         ("--opt", "lion", "invalid choice"),
         ("--label-smoothing", "1.5", "--label-smoothing must be in [0, 1)"),
-        ("--ema-decay", "1.0", "--ema-decay must be between 0 and 1"),
+        ("--ema-decay", "1.0", "--ema-decay must be in [0, 1), or auto"),
         ("--mixup", "-1", "--mixup must be at least 0, got -1.0"),
     ],
 )

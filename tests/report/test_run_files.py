@@ -311,13 +311,15 @@ def test_runs_table_lists_finished_and_unfinished_runs(trained_run, tmp_path, ca
     assert "no such run folder" in capsys.readouterr().err
 
 
-def test_ema_flag_without_ema_weights_is_one_clear_error(trained_run, capsys):
-    root, _, _ = trained_run
-    checkpoint = str(root / "runs/r/checkpoints/last.pt")
+def test_ema_flag_without_ema_weights_is_one_clear_error(trained_run, tmp_path, capsys):
+    root, data, _ = trained_run
+    train(TrainConfig(data=str(data), image_size=16, epochs=1, batch_size=8, workers=0,
+                      output_dir=str(tmp_path), name="plain", ema_decay=0.0))  # fmt: skip
+    checkpoint = str(tmp_path / "plain/checkpoints/last.pt")
     for command in ("export", "eval", "predict"):
         extra = [str(root / "data")] if command == "predict" else []
         assert main([command, "--checkpoint", checkpoint, "--ema", *extra]) == 2
-        assert "holds no EMA weights (train with --ema-decay)" in capsys.readouterr().err
+        assert "holds no EMA weights (its run kept none: --ema-decay 0" in (capsys.readouterr().err)
 
 
 def test_a_class_without_validation_images_has_no_accuracy_rather_than_zero():

@@ -113,7 +113,7 @@ class EvalOptions(Options):
         pattern_text=DEVICE_TEXT,
         default_text="cuda:LOCAL_RANK where there is CUDA, else cpu",
     )
-    ema: bool = setting(False, "evaluate the EMA weights (trained with --ema-decay)")
+    ema: bool = setting(False, "evaluate the EMA weights (a run keeps them unless --ema-decay 0)")
     json: bool = setting(False, "print the result as JSON")
     dry_run: bool = _dry_run()
 
@@ -134,7 +134,7 @@ class PredictOptions(Options):
     batch_size: int = setting(64, "images per batch", low=1)
     csv: str | None = setting(None, "also write the predictions to this CSV file", metavar="FILE")
     device: str = setting("cpu", DEVICE_TEXT, pattern=DEVICE, pattern_text=DEVICE_TEXT)
-    ema: bool = setting(False, "use the EMA weights (trained with --ema-decay)")
+    ema: bool = setting(False, "use the EMA weights (a run keeps them unless --ema-decay 0)")
     dry_run: bool = _dry_run()
 
 
@@ -151,7 +151,7 @@ class ExportOptions(Options):
     out: str | None = setting(
         None, "output file", metavar="FILE", default_text="<run>/export/model.<format>"
     )
-    ema: bool = setting(False, "export the EMA weights (trained with --ema-decay)")
+    ema: bool = setting(False, "export the EMA weights (a run keeps them unless --ema-decay 0)")
     dry_run: bool = _dry_run()
 
 

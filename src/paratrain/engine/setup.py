@@ -33,7 +33,13 @@ from paratrain.engine.prerun.task import decide_task
 from paratrain.engine.run import precision as precision_module
 from paratrain.engine.run.control import StepControl
 from paratrain.engine.run.preempt import PreemptionGuard
-from paratrain.engine.run.recipe import Recipe, build_optimizer, build_recipe, continue_with
+from paratrain.engine.run.recipe import (
+    Recipe,
+    build_optimizer,
+    build_recipe,
+    continue_with,
+    decide_ema,
+)
 from paratrain.engine.run.schedule import Schedule, build_schedule
 from paratrain.engine.run.state import Best, Progress, RngStates
 from paratrain.engine.run.step import Stepper
@@ -90,6 +96,7 @@ def setup(cfg: TrainConfig, runtime: Runtime) -> Run:
     cfg = decide_task(cfg, split)  # --task auto: several labels an image or one
     cfg = balance.decide(cfg, split.train.labels, split.classes)  # --balance, --monitor auto
     parts = build_parts(cfg, len(split.classes), runtime)
+    cfg = decide_ema(cfg, len(split.train), parts.replicas)  # --ema-decay auto
     optimizer = build_optimizer(parts, cfg, parts.replicas)
     counts = (  # each class's training images (several labels an image: from their sets)
         np.bincount(split.train.labels, minlength=len(split.classes))

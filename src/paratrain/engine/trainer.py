@@ -200,10 +200,13 @@ def record_epoch(
     }
     for suffix, other in others.items():  # the EMA weights' (val_loss_ema, val_top1_ema)
         row.update({f"val_loss{suffix}": other.loss, f"val_top1{suffix}": other.top1})
+        if other.scores().get("map") is not None:  # several labels an image
+            row[f"val_map{suffix}"] = other.scores()["map"]
     run.recipe.task.observe(result)  # several labels an image: the threshold chosen
     if not run.cut_short:  # else saved mid-epoch: a resumed run trains the rest of it
         progress.start_epoch(epoch + 1)
-    run.saver.save(progress, score=result.score(run.cfg.monitor))  # --monitor picks best.pt
+    judged = others.get("_ema", result)  # the EMA weights, where kept, are the run's
+    run.saver.save(progress, score=judged.score(run.cfg.monitor))  # --monitor picks best.pt
     if run.runtime.is_main:
         run.metrics.write(row)
         plot_curves(run.metrics.read(), run.run_dir / "curves.png")

@@ -100,7 +100,7 @@ class MemoryProfile:
 
 # the options a strategy may take or refuse, with their flags, for the one-line refusal
 FEATURES = {
-    "ema": ("--ema-decay", lambda cfg: cfg.ema_decay is not None),
+    "ema": ("--ema-decay", lambda cfg: isinstance(cfg.ema_decay, float) and cfg.ema_decay > 0),
     "compile": ("--compile", lambda cfg: cfg.compile),
     "activation_checkpointing": (
         "--activation-checkpointing",
@@ -173,6 +173,12 @@ class Strategy:
                 "modules are copied every step, their compiled forwards with them); use "
                 "--compile-scope model"
             )
+
+    @property
+    def keeps_average(self) -> bool:
+        """Whether it keeps an average of the weights (--ema-decay; auto turns one on
+        where it does)."""
+        return "ema" in self.takes
 
     def _takers(self, feature: str) -> list[str]:
         return [name for name in STRATEGIES if feature in get(name).takes]

@@ -25,6 +25,7 @@ COLUMNS = [
     "world_size",
     "val_loss_ema",
     "val_top1_ema",
+    "val_map_ema",
 ]
 
 
@@ -68,6 +69,14 @@ def headline(row: dict[str, Any]) -> tuple[str, float | None]:
     if row.get("val_top1") is None and "val_map" in row:
         return "mAP", row["val_map"]
     return "top1", row.get("val_top1")
+
+
+def judged(rows: list[dict[str, Any]]) -> str:
+    """The suffix of the columns a run is judged by (best.pt, its best top-1): "_ema"
+    where it kept an average of the weights, else ""."""
+    kept = any(r.get("val_top1_ema") is not None or r.get("val_map_ema") is not None
+               for r in rows)  # fmt: skip
+    return "_ema" if kept else ""
 
 
 def format_epoch(row: dict[str, Any], epochs: int) -> str:

@@ -18,7 +18,7 @@ from paratrain.distributed import comm
 from paratrain.distributed.runtime import Runtime
 from paratrain.files import write_atomic
 from paratrain.log import get_logger, since_start
-from paratrain.report.metrics import MetricsWriter, headline
+from paratrain.report.metrics import MetricsWriter, headline, judged
 
 
 def write_run_files(cfg: TrainConfig, split: DataSplit, run_dir: Path) -> None:
@@ -75,7 +75,7 @@ def recipe_words(cfg: TrainConfig) -> str:
         f"label smoothing {cfg.label_smoothing:g}" if cfg.label_smoothing else "",
         f"mixup {cfg.mixup:g}" if cfg.mixup else "",
         f"cutmix {cfg.cutmix:g}" if cfg.cutmix else "",
-        f"EMA decay {cfg.ema_decay:g}" if cfg.ema_decay else "",
+        ema_words(cfg.ema_decay),
         f"{cfg.auto_augment}" if cfg.auto_augment != "none" else "",
         f"random erasing {cfg.random_erase:g}" if cfg.random_erase else "",
         f"repeated augmentation x{cfg.ra_reps}" if cfg.ra_reps > 1 else "",
@@ -84,6 +84,15 @@ def recipe_words(cfg: TrainConfig) -> str:
         f"layer-wise lr decay {cfg.layer_decay:g}" if cfg.layer_decay else "",
     ]
     return ", ".join(w for w in words if w)
+
+
+def ema_words(decay: float | str | None) -> str:
+    """--ema-decay in words: how many steps its average spans (empty when off)."""
+    if decay == "auto":
+        return "EMA of the weights (auto: over about two epochs' steps)"
+    if not decay:
+        return ""
+    return f"EMA decay {float(decay):g} (an average over about {1 / (1 - float(decay)):.0f} steps)"
 
 
 class EpochBar(tqdm):
@@ -141,10 +150,8 @@ def summarise(
             "model": cfg.model,
             "world_size": runtime.world_size,
             "epochs": rows[-1]["epoch"] if rows else 0,  # the last epoch reached
-            "best_val_top1": max(
-                (r["val_top1"] for r in rows if r.get("val_top1") is not None), default=None
-            ),
-            **_best_map(rows),
+            **_best(rows, "top1"),
+            **_best(rows, "map"),
             "final": rows[-1] if rows else None,
             "skipped_steps": skipped_steps,
             "seconds": seconds,  # the epochs' (training, evaluation, saving)
@@ -158,8 +165,12 @@ def summarise(
     if runtime.is_main:
         write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         name = headline(rows[-1])[0]  # top-1, or mAP with several labels an image
-        best = summary["best_val_map"] if name == "mAP" else summary["best_val_top1"]
+        key = "best_val_map" if name == "mAP" else "best_val_top1"
+        best, raw = summary[key], summary.get(f"{key}_raw")
         shown = f"{best:.2%}" if best is not None else "-"
+        if judged(rows):  # the average of the weights: best.pt is its, and so is the figure
+            shown += (f" (the EMA weights: eval, predict and export them with --ema; the raw "
+                      f"weights' best {raw:.2%})" if raw is not None else " (the EMA weights)")  # fmt: skip
         skipped = f", {skipped_steps} non-finite step(s) skipped" if skipped_steps else ""
         get_logger().info(  # an epoch ran (a run with none left ends in nothing_left)
             f"done in {wall:.1f}s{_parts(first_step, seconds)}: best val {name} {shown}"
@@ -168,10 +179,19 @@ def summarise(
     return summary
 
 
-def _best_map(rows: list[dict]) -> dict:
-    """``best_val_map``: the best mAP, where the run has several labels an image."""
-    found = [r["val_map"] for r in rows if r.get("val_map") is not None]
-    return {"best_val_map": max(found)} if found else {}
+def _best(rows: list[dict], score: str) -> dict:
+    """``best_val_top1`` (None where no epoch has one), or ``best_val_map`` where the run
+    has several labels an image: the best of the weights the run is judged by (the EMA
+    weights where kept, their raw weights' beside it as ``..._raw``)."""
+    suffix, key = judged(rows), f"val_{score}"
+    found = [r[key + suffix] for r in rows if r.get(key + suffix) is not None]
+    if score == "map" and not found:
+        return {}
+    best = {f"best_{key}": max(found, default=None)}
+    raw = [r[key] for r in rows if r.get(key) is not None]
+    if suffix and raw:
+        best[f"best_{key}_raw"] = max(raw)
+    return best
 
 
 def nothing_left(

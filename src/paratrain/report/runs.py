@@ -9,6 +9,7 @@ from typing import Any
 import yaml
 
 from paratrain.errors import UserError
+from paratrain.report.metrics import judged
 
 COLUMNS = ("run", "model", "data", "world", "best_top1", "epochs", "time", "status")
 
@@ -48,8 +49,11 @@ def _row(run: Path) -> dict[str, Any]:
     else:
         status = "no epoch finished"
     world = summary.get("world_size") or (epochs[-1].get("world_size") if epochs else None)
-    tops = [r["val_top1"] for r in epochs if r.get("val_top1") is not None]
-    tops = tops or [r["val_map"] for r in epochs if r.get("val_map") is not None]  # multi-label
+    suffix = judged(epochs)  # the EMA weights' where the run kept them
+    tops = [r["val_top1" + suffix] for r in epochs if r.get("val_top1" + suffix) is not None]
+    tops = tops or [  # several labels an image
+        r["val_map" + suffix] for r in epochs if r.get("val_map" + suffix) is not None
+    ]
     return {
         "run": run.name,
         "model": config.get("model"),

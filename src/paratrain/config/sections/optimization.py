@@ -113,16 +113,18 @@ class OptimizationSettings:
     label_smoothing: float = setting(
         0.0, "cross-entropy label smoothing", group="recipe", low=0.0, high=1.0, high_open=True
     )
-    ema_decay: float | None = setting(
-        None,
-        "keep an exponential moving average of the weights with this decay (e.g. 0.999; "
-        "warmed up over the first steps as timm's: (1 + n) / (10 + n) after n), evaluated "
-        "every epoch and saved beside the raw weights",
+    ema_decay: float | Literal["auto"] | None = setting(
+        "auto",
+        "keep an exponential moving average of the weights with this decay (warmed up over "
+        "the first steps as timm's: (1 + n) / (10 + n) after n), evaluated every epoch "
+        "beside the raw weights; best.pt and the run's best top-1 are then the average's "
+        "(eval, predict and export take it with --ema); auto: an average over about two "
+        "epochs' steps where the strategy keeps one; 0: none",
         group="recipe",
         low=0.0,
         high=1.0,
-        low_open=True,
         high_open=True,
+        auto=True,
     )
     mixup: float = setting(0.0, "MixUp Beta alpha, e.g. 0.2 (0: off)", group="recipe", low=0.0)
     cutmix: float = setting(0.0, "CutMix Beta alpha, e.g. 1.0 (0: off)", group="recipe", low=0.0)

@@ -136,7 +136,10 @@ class Checkpoint:
         if not ema:
             return self.model
         if not self.ema:
-            raise UserError(f"--ema: {path} holds no EMA weights (train with --ema-decay)")
+            raise UserError(
+                f"--ema: {path} holds no EMA weights (its run kept none: --ema-decay 0, or a "
+                "strategy that keeps no average)"
+            )
         averaged: dict[str, torch.Tensor] = self.ema["model"]
         return averaged
 

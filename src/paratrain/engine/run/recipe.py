@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -25,7 +25,12 @@ from paratrain.errors import AgreedUserError
 from paratrain.log import get_logger
 from paratrain.models.registry import logits_of
 from paratrain.parallel import optim_state
+from paratrain.parallel.base import get as get_strategy
 from paratrain.parallel.parts import ModelParts
+
+# --ema-decay auto: the average spans about this many epochs' steps (chosen on the
+# suite's choose half, docs/benchmarks.md "Across a suite of sets")
+EMA_EPOCHS = 2
 
 
 @dataclass
@@ -180,7 +185,9 @@ def build_recipe(
         precision=precision,
         mixer=build_mixer(cfg, num_classes),
         task=task_of(label_sets, parts.output_device),
-        ema=EMA(parts, cfg.ema_decay) if cfg.ema_decay else None,
+        ema=EMA(parts, cfg.ema_decay)
+        if isinstance(cfg.ema_decay, float) and cfg.ema_decay
+        else None,
         grad_accum=cfg.grad_accum,
         clip_grad=cfg.clip_grad,
         freezing=Freezing(parts, cfg.freeze_epochs) if cfg.freeze_epochs else None,
@@ -419,6 +426,19 @@ def build_mixer(cfg: TrainConfig, num_classes: int) -> Callable | None:
     if not mixers:
         return None
     return mixers[0] if len(mixers) == 1 else v2.RandomChoice(mixers)
+
+
+def decide_ema(cfg: TrainConfig, train_images: int, replicas: int) -> TrainConfig:
+    """``cfg`` with --ema-decay concrete: auto averages over about EMA_EPOCHS epochs'
+    optimizer steps (1 - 1 / steps, at least 10 steps, at most 0.9999) where the strategy
+    keeps an average of the weights, and keeps none (0) where it does not; 0 and None:
+    none."""
+    if cfg.ema_decay != "auto":
+        return replace(cfg, ema_decay=float(cfg.ema_decay or 0.0))
+    if not get_strategy(cfg.strategy).keeps_average:
+        return replace(cfg, ema_decay=0.0)
+    steps = EMA_EPOCHS * -(-train_images // (cfg.batch * replicas * cfg.grad_accum))
+    return replace(cfg, ema_decay=round(min(1 - 1 / max(steps, 10), 0.9999), 6))
 
 
 class EMA:
