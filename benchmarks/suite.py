@@ -40,6 +40,8 @@ from time_to_accuracy import first_reach  # noqa: E402
 from time_to_accuracy import launch as launch_once  # noqa: E402
 from vs_plain_loop import plain_command  # noqa: E402
 
+from paratrain.report.metrics import judged  # noqa: E402
+
 CHOOSE = ("colour", "texture", "many")  # the recipes' rules may be chosen on these
 CONFIRM = ("shape", "fine", "few", "digits")  # and are confirmed on these
 ARMS = ("plain", "defaults", "third", "two-thirds")
@@ -126,7 +128,8 @@ def run_arm(name: str, arm: str, seed: int, args, done: dict) -> list[list[float
     if not metrics.exists():  # refused: its budget was shorter than its start-up
         return []
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return [[row["since_start_s"], row[args.curve]] for row in rows]
+    column = args.curve + judged(rows)  # the EMA weights' where the run kept them
+    return [[row["since_start_s"], row[column]] for row in rows]
 
 
 def load(results: Path) -> dict[tuple[str, int, str], list[list[float]]]:
@@ -358,7 +361,8 @@ def main() -> None:
                         "its own --results, with the plain runs copied in)")  # fmt: skip
     parser.add_argument("--curve", default="val_top1",
                         help="run: the metrics column a paratrain arm's curve is read from "
-                        "(val_top1_ema: the EMA weights', with --flags '--ema-decay D')")  # fmt: skip
+                        "(the EMA weights' where the run kept them, as paratrain judges "
+                        "a run)")  # fmt: skip
     args = parser.parse_args()
     args.work = args.work.resolve()
     (run if args.what == "run" else report)(args)
