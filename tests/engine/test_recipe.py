@@ -184,6 +184,7 @@ def test_ema_warms_up_as_timm_does_then_keeps_its_decay():
     [
         ("auto", "ddp", 0.99),  # 1600 images, batch 16 x 2 replicas: 50 steps, two epochs: 100
         ("auto", "fsdp", 0.0),  # keeps no whole copy of the weights: none
+        ("auto", "budget", 0.0),  # --budget: none
         (0.9, "ddp", 0.9),
         (0.0, "ddp", 0.0),
         (None, "ddp", 0.0),  # a config written before auto
@@ -194,10 +195,13 @@ def test_ema_decay_auto_averages_about_two_epochs_where_the_strategy_keeps_one(
 ):
     from paratrain.engine.run.recipe import EMA_EPOCHS, decide_ema
 
-    cfg = TrainConfig(data="d", ema_decay=given, strategy=strategy, batch_size=16)
+    budget = "60s" if strategy == "budget" else None
+    strategy = "ddp" if strategy == "budget" else strategy
+    cfg = TrainConfig(data="d", ema_decay=given, strategy=strategy, batch_size=16, budget=budget)
     assert EMA_EPOCHS == 2
     assert decide_ema(cfg, 1600, 2).ema_decay == pytest.approx(decided)
     # a tiny epoch still averages at least 10 steps; a huge one at most 1 in 10,000
-    assert decide_ema(replace(cfg, ema_decay="auto", strategy="ddp"), 8, 1).ema_decay == 0.9
-    huge = decide_ema(replace(cfg, ema_decay="auto", strategy="ddp"), 10**8, 1)
+    auto = replace(cfg, ema_decay="auto", strategy="ddp", budget=None)
+    assert decide_ema(auto, 8, 1).ema_decay == 0.9
+    huge = decide_ema(auto, 10**8, 1)
     assert huge.ema_decay == 0.9999
