@@ -100,3 +100,17 @@ def test_zero_init_residual_on_a_model_without_known_blocks_is_a_user_error():
 
     with pytest.raises(UserError, match="--zero-init-residual: mobilenet_v3_small has no"):
         build_model(TrainConfig(model="mobilenet_v3_small", zero_init_residual=True), 3)
+
+
+def test_zero_init_residual_reaches_timms_blocks():
+    """timm's blocks zero themselves through their zero_init_last (timm's own ResNets
+    already start so: the weights are set to ones first)."""
+    from paratrain.models.registry import create_model, zero_init_residual
+
+    model = create_model("timm/resnet10t", 3)
+    last = [m.bn2.weight for m in model.modules() if hasattr(m, "zero_init_last")]
+    with torch.no_grad():
+        for weight in last:
+            weight.fill_(1.0)
+    assert zero_init_residual(model, "timm/resnet10t") == 4
+    assert len(last) == 4 and all(not w.any() for w in last)

@@ -312,8 +312,8 @@ def zero_init_residual(model: nn.Module, name: str = "") -> int:
         if last is not None:
             nn.init.zeros_(getattr(module, last).weight)
             count += 1
-        elif callable(getattr(module, "zero_init_last", None)):
-            module.zero_init_last()
+        elif callable(zero_last := getattr(module, "zero_init_last", None)):
+            zero_last()
             count += 1
     if not count:
         raise UserError(

@@ -461,7 +461,12 @@ class EMA:
         return min(self.decay, (1 + self.steps) / (10 + self.steps))
 
     @torch.no_grad()
-    def _average(self, averaged: list, current: list, _count) -> None:
+    def _average(
+        self,
+        averaged: list[torch.Tensor] | tuple[torch.Tensor, ...],
+        current: list[torch.Tensor] | tuple[torch.Tensor, ...],
+        _count: torch.Tensor | int,
+    ) -> None:
         """torch's EMA update (get_ema_multi_avg_fn) at this step's decay: lerp for
         floating tensors, counters (BatchNorm's batches tracked) taken as they are."""
         if torch.is_floating_point(averaged[0]):
