@@ -185,3 +185,19 @@ def test_plan_estimates_at_the_precision_the_run_would_use(capsys, monkeypatch):
     assert rows["bf16-mixed"]["parameters"] == rows["32"]["parameters"]  # fp32 master weights
     assert main([*args[:-1], "--precision", "32"]) == 0
     assert "resnet18 at 32px, batch 8 per device, sgd, 32 (--precision)" in capsys.readouterr().out
+
+
+def test_plan_counts_the_ema_copy_where_the_strategy_keeps_one():
+    from paratrain.bench.memory import estimate, keeps_average
+    from paratrain.config import TrainConfig
+    from paratrain.models.registry import create_model
+
+    model = create_model("resnet18", 10, 32)
+    copy = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    rows = {r.strategy: r for r in estimate(model, 32, 8, 2, 1, averaged=True)}
+    plain = {r.strategy: r for r in estimate(model, 32, 8, 2, 1)}
+    assert rows["ddp"].average == copy and rows["ddp"].total - plain["ddp"].total == copy
+    assert rows["fsdp"].average == 0 and rows["pipeline"].average == 0  # they keep none
+    # auto keeps one, except under --budget; 0 keeps none
+    assert keeps_average(TrainConfig()) and not keeps_average(TrainConfig(budget="60s"))
+    assert not keeps_average(TrainConfig(ema_decay=0.0))

@@ -253,6 +253,7 @@ def _estimate(cfg: TrainConfig, devices: int, batch: int | None = None) -> list:
         model_name=cfg.model,
         teacher=plan.teacher_of(cfg, 10),
         checkpointed=cfg.activation_checkpointing,
+        averaged=plan.keeps_average(cfg),
     )
 
 
@@ -325,7 +326,7 @@ def choose_batch(
     rows = {r.strategy: r for r in _estimate(cfg, nproc, batch=DEFAULT_BATCH)}
     row = rows[strategy if strategy in rows else "ddp"]
     per_sample = row.activations / DEFAULT_BATCH
-    fixed = row.parameters + row.gradients + row.optimizer + row.teacher
+    fixed = row.fixed
     batch = batch_from_estimate(fixed, per_sample, memory)
     batch = min(batch, 1024)
     why = (

@@ -59,13 +59,16 @@ def estimate(
     autocast: torch.dtype | None = None,
     teacher: nn.Module | None = None,
     checkpointed: bool = False,
+    averaged: bool = False,
 ) -> list[DeviceMemory]:
     """The most any one device needs, for each strategy at ``devices`` devices (each
     strategy's own estimate, parallel/<name>.py), fastest first; activations as saved
     under ``autocast`` (the run's mixed precision), weights and optimizer state fp32.
     With a ``teacher`` (--teacher), its fp32 weights as each strategy places them, and
     only the strategies that take one. ``checkpointed`` (--activation-checkpointing):
-    the repeated blocks keep their inputs only, and only the strategies that take it."""
+    the repeated blocks keep their inputs only, and only the strategies that take it.
+    ``averaged`` (--ema-decay, on by default): a copy of the weights and buffers on the
+    strategies that keep one."""
     from paratrain.parallel.regions import repeated_blocks
 
     sample = partition.sample_images(image_size, PROFILE_BATCH)
@@ -82,7 +85,20 @@ def estimate(
         weights = sum(p.numel() * 4 for p in teacher.parameters())
         placed = [(row, strategy_of(row.strategy).teacher_bytes(weights, devices)) for row in rows]
         rows = [replace(row, teacher=size) for row, size in placed if size is not None]
+    if averaged:
+        copy = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+        rows = [replace(row, average=copy) if strategy_of(row.strategy).keeps_average else row
+                for row in rows]  # fmt: skip
     return sorted(rows, key=lambda row: strategy_of(row.strategy).speed_order)
+
+
+def keeps_average(cfg: TrainConfig) -> bool:
+    """Whether the run would keep EMA weights: a decay given, or auto without --budget
+    (engine/run/recipe.decide_ema; the strategies that keep none are left out by the
+    estimate)."""
+    if cfg.ema_decay == "auto":
+        return not cfg.budget
+    return bool(cfg.ema_decay)
 
 
 def teacher_of(cfg: TrainConfig, classes: int) -> nn.Module | None:
@@ -138,6 +154,7 @@ def format_plan(
         if devices < needs:
             verdict = f"no (needs {needs}+ devices)"
         taught = f"; the teacher {_mib(r.teacher).strip()}" if r.teacher else ""
+        taught += f"; the EMA weights {_mib(r.average).strip()}" if r.average else ""
         lines.append(
             f"{r.strategy:<9} {_mib(r.parameters)} {_mib(r.gradients)} {_mib(r.optimizer)} "
             f"{_mib(r.activations)} {_gib(r.total):>10}  {verdict}  ({r.detail}{taught})"
@@ -287,6 +304,7 @@ def plan(cfg: TrainConfig, opts: PlanOptions) -> tuple[dict, str]:
         autocast=AUTOCAST.get(mode),
         teacher=teacher_of(cfg, opts.classes),
         checkpointed=cfg.activation_checkpointing,
+        averaged=keeps_average(cfg),
     )
     choice, why = recommend(rows, limit, opts.devices)
     result = {

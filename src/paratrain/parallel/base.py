@@ -41,11 +41,18 @@ class DeviceMemory:
     activations: int
     detail: str = ""
     teacher: int = 0  # --teacher's weights on this device (its forward saves nothing)
+    average: int = 0  # the EMA weights' copy (--ema-decay), where the strategy keeps one
+
+    @property
+    def fixed(self) -> int:
+        """Bytes per device whatever the batch: weights, gradients, optimizer state, the
+        teacher's and the average's weights."""
+        return self.parameters + self.gradients + self.optimizer + self.teacher + self.average
 
     @property
     def total(self) -> int:
         """Bytes per device in all."""
-        return self.parameters + self.gradients + self.optimizer + self.activations + self.teacher
+        return self.fixed + self.activations
 
 
 @dataclass
