@@ -185,6 +185,7 @@ def test_ema_warms_up_as_timm_does_then_keeps_its_decay():
         ("auto", "ddp", 0.99),  # 1600 images, batch 16 x 2 replicas: 50 steps, two epochs: 100
         ("auto", "fsdp", 0.0),  # keeps no whole copy of the weights: none
         ("auto", "budget", 0.0),  # --budget: none
+        ("auto", "multilabel", 0.0),  # several labels an image: none
         (0.9, "ddp", 0.9),
         (0.0, "ddp", 0.0),
         (None, "ddp", 0.0),  # a config written before auto
@@ -196,12 +197,14 @@ def test_ema_decay_auto_averages_about_two_epochs_where_the_strategy_keeps_one(
     from paratrain.engine.run.recipe import EMA_EPOCHS, decide_ema
 
     budget = "60s" if strategy == "budget" else None
-    strategy = "ddp" if strategy == "budget" else strategy
-    cfg = TrainConfig(data="d", ema_decay=given, strategy=strategy, batch_size=16, budget=budget)
+    task = "multilabel" if strategy == "multilabel" else "multiclass"
+    strategy = "ddp" if strategy in ("budget", "multilabel") else strategy
+    cfg = TrainConfig(data="d", ema_decay=given, strategy=strategy, batch_size=16, budget=budget,
+                      task=task)  # fmt: skip
     assert EMA_EPOCHS == 2
     assert decide_ema(cfg, 1600, 2).ema_decay == pytest.approx(decided)
     # a tiny epoch still averages at least 10 steps; a huge one at most 1 in 10,000
-    auto = replace(cfg, ema_decay="auto", strategy="ddp", budget=None)
+    auto = replace(cfg, ema_decay="auto", strategy="ddp", budget=None, task="multiclass")
     assert decide_ema(auto, 8, 1).ema_decay == 0.9
     huge = decide_ema(auto, 10**8, 1)
     assert huge.ema_decay == 0.9999

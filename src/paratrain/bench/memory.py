@@ -97,7 +97,7 @@ def keeps_average(cfg: TrainConfig) -> bool:
     (engine/run/recipe.decide_ema; the strategies that keep none are left out by the
     estimate)."""
     if cfg.ema_decay == "auto":
-        return not cfg.budget
+        return not cfg.budget and cfg.task != "multilabel"
     return bool(cfg.ema_decay)
 
 

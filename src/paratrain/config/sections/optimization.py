@@ -119,7 +119,8 @@ class OptimizationSettings:
         "the first steps as timm's: (1 + n) / (10 + n) after n), evaluated every epoch "
         "beside the raw weights; best.pt and the run's best top-1 are then the average's "
         "(eval, predict and export take it with --ema); auto: an average over about two "
-        "epochs' steps where the strategy keeps one, none under --budget; 0: none",
+        "epochs' steps where the strategy keeps one, none under --budget or with several "
+        "labels an image; 0: none",
         group="recipe",
         low=0.0,
         high=1.0,

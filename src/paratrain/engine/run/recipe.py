@@ -431,12 +431,14 @@ def build_mixer(cfg: TrainConfig, num_classes: int) -> Callable | None:
 def decide_ema(cfg: TrainConfig, train_images: int, replicas: int) -> TrainConfig:
     """``cfg`` with --ema-decay concrete: auto averages over about EMA_EPOCHS epochs'
     optimizer steps (1 - 1 / steps, at least 10 steps, at most 0.9999) where the strategy
-    keeps an average of the weights, and keeps none (0) where it does not, nor under
+    keeps an average of the weights, and keeps none (0) where it does not; nor under
     --budget (a schedule fitted to the clock anneals fast at its end, where the average
-    lagged the raw weights: docs/benchmarks.md); 0 and None: none."""
+    lagged the raw weights: docs/benchmarks.md), nor with several labels an image (the
+    decision threshold is chosen on the raw weights' scores); 0 and None: none."""
     if cfg.ema_decay != "auto":
         return replace(cfg, ema_decay=float(cfg.ema_decay or 0.0))
-    if not get_strategy(cfg.strategy).keeps_average or cfg.budget:
+    multilabel = cfg.task == "multilabel"
+    if not get_strategy(cfg.strategy).keeps_average or cfg.budget or multilabel:
         return replace(cfg, ema_decay=0.0)
     steps = EMA_EPOCHS * -(-train_images // (cfg.batch * replicas * cfg.grad_accum))
     return replace(cfg, ema_decay=round(min(1 - 1 / max(steps, 10), 0.9999), 6))
