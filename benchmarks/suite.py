@@ -128,7 +128,7 @@ def run_arm(name: str, arm: str, seed: int, args, done: dict) -> list[list[float
     if not metrics.exists():  # refused: its budget was shorter than its start-up
         return []
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    column = args.curve + judged(rows)  # the EMA weights' where the run kept them
+    column = "val_top1" + judged(rows)  # the EMA weights' where the run kept them
     return [[row["since_start_s"], row[column]] for row in rows]
 
 
@@ -359,10 +359,6 @@ def main() -> None:
     parser.add_argument("--flags", type=shlex.split, default=[],
                         help="run: more paratrain flags for its arms (a variant tried: give it "
                         "its own --results, with the plain runs copied in)")  # fmt: skip
-    parser.add_argument("--curve", default="val_top1",
-                        help="run: the metrics column a paratrain arm's curve is read from "
-                        "(the EMA weights' where the run kept them, as paratrain judges "
-                        "a run)")  # fmt: skip
     args = parser.parse_args()
     args.work = args.work.resolve()
     (run if args.what == "run" else report)(args)

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from paratrain.config import PlanOptions, TrainConfig
+from paratrain.engine.run.recipe import wants_average as keeps_average
 from paratrain.errors import UserError
 from paratrain.parallel import STRATEGIES, partition
 from paratrain.parallel.base import DeviceMemory, MemoryProfile
@@ -90,15 +91,6 @@ def estimate(
         rows = [replace(row, average=copy) if strategy_of(row.strategy).keeps_average else row
                 for row in rows]  # fmt: skip
     return sorted(rows, key=lambda row: strategy_of(row.strategy).speed_order)
-
-
-def keeps_average(cfg: TrainConfig) -> bool:
-    """Whether the run would keep EMA weights: a decay given, or auto without --budget
-    (engine/run/recipe.decide_ema; the strategies that keep none are left out by the
-    estimate)."""
-    if cfg.ema_decay == "auto":
-        return not cfg.budget and cfg.task != "multilabel"
-    return bool(cfg.ema_decay)
 
 
 def teacher_of(cfg: TrainConfig, classes: int) -> nn.Module | None:

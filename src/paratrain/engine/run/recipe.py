@@ -428,6 +428,14 @@ def build_mixer(cfg: TrainConfig, num_classes: int) -> Callable | None:
     return mixers[0] if len(mixers) == 1 else v2.RandomChoice(mixers)
 
 
+def wants_average(cfg: TrainConfig) -> bool:
+    """Whether the run asks for EMA weights: a decay given, or auto without --budget and
+    with one label an image (decide_ema says why; the strategy may still keep none)."""
+    if cfg.ema_decay == "auto":
+        return not cfg.budget and cfg.task != "multilabel"
+    return bool(cfg.ema_decay)
+
+
 def decide_ema(cfg: TrainConfig, train_images: int, replicas: int) -> TrainConfig:
     """``cfg`` with --ema-decay concrete: auto averages over about EMA_EPOCHS epochs'
     optimizer steps (1 - 1 / steps, at least 10 steps, at most 0.9999) where the strategy
@@ -437,8 +445,7 @@ def decide_ema(cfg: TrainConfig, train_images: int, replicas: int) -> TrainConfi
     decision threshold is chosen on the raw weights' scores); 0 and None: none."""
     if cfg.ema_decay != "auto":
         return replace(cfg, ema_decay=float(cfg.ema_decay or 0.0))
-    multilabel = cfg.task == "multilabel"
-    if not get_strategy(cfg.strategy).keeps_average or cfg.budget or multilabel:
+    if not (wants_average(cfg) and get_strategy(cfg.strategy).keeps_average):
         return replace(cfg, ema_decay=0.0)
     steps = EMA_EPOCHS * -(-train_images // (cfg.batch * replicas * cfg.grad_accum))
     return replace(cfg, ema_decay=round(min(1 - 1 / max(steps, 10), 0.9999), 6))
