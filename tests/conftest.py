@@ -22,11 +22,20 @@ def pytest_configure(config):
     import tempfile
 
     root = Path(tempfile.mkdtemp(prefix="paratrain-tests-"))
+    config._paratrain_caches = root  # removed when the session ends
     os.environ["PARATRAIN_CACHE"] = str(root / "paratrain")
     os.environ["HF_HOME"] = str(root / "huggingface")
     os.environ["HF_DATASETS_CACHE"] = str(root / "huggingface" / "datasets")
     os.environ["TORCH_HOME"] = str(root / "torch")  # torch.hub's weights files
     os.environ["HF_HUB_OFFLINE"] = "1"  # the suite runs offline; a fetch test serves its own
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    root = getattr(config, "_paratrain_caches", None)
+    if root is not None:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(session, config, items):

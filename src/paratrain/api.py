@@ -65,18 +65,39 @@ def _told_once(env: DistEnv, check: Callable[[], T]) -> T:
 # ---------------------------------------------------------------- train
 
 
+def _train_worker(cfg: TrainConfig, env: DistEnv) -> dict:
+    from paratrain.engine.trainer import train_worker
+
+    return train_worker(cfg, env)
+
+
+def _check(cfg: TrainConfig, env: DistEnv, checked: bool, dry_run: bool, say: Say) -> None:
+    """What a run can be found wrong about, checked once (engine/prerun/preflight.py). A
+    launcher of workers leaves the model to them: they load its package anyway (an auto
+    setting loads it here: it builds the model)."""
+    from paratrain.config import preset_notes
+    from paratrain.engine.prerun import preflight
+
+    world = preflight.job_world(cfg, env)
+    if checked:  # a launched worker: what its launcher left
+        _told_once(env, lambda: preflight.check_model_input(cfg, world))
+        return
+    launches = env.source == "single" and not dry_run and cfg.nproc not in (1, "auto")
+    model_here = not launches or cfg.has_auto()
+    if env.is_main:  # a size taken from the data, and how to have another
+        for note in preset_notes(cfg, ("small images",)):
+            say(note)
+    _told_once(env, lambda: preflight.preflight(cfg, world, model=model_here))
+
+
 def train(cfg: TrainConfig, *, dry_run: bool = False, say: Say = print) -> dict | None:
     """Train as configured: launch ``cfg.nproc`` workers, or be one.
 
     Returns the run summary in the process that trained (rank 0's view); None in a
     launcher, whose workers report through the run directory, and for a dry run."""
-    from paratrain.bench import autopilot
-    from paratrain.config import preset_notes
     from paratrain.data.sources.base import handed_over
     from paratrain.engine.prerun import preflight
-    from paratrain.engine.prerun.describe import dry_run as describe
     from paratrain.engine.prerun.describe import embedded_data
-    from paratrain.engine.trainer import train_worker
     from paratrain.report.loggers import DOWN
 
     cfg.validate()
@@ -87,12 +108,12 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, say: Say = print) -> dict 
         if (found := embedded_data(cfg, env, dry_run, say)) is None:
             return None
         cfg = found
-    if not checked:
-        if env.is_main:  # a size taken from the data, and how to have another
-            for note in preset_notes(cfg, ("small images",)):
-                say(note)
-        _told_once(env, lambda: preflight.preflight(cfg, preflight.job_world(cfg, env)))
-    cfg, chosen = autopilot.choose(cfg, env, dry_run, say)
+    _check(cfg, env, checked, dry_run, say)
+    chosen: list[str] = []
+    if cfg.has_auto():
+        from paratrain.bench import autopilot
+
+        cfg, chosen = autopilot.choose(cfg, env, dry_run, say)
     if not checked and env.source == "single" and not dry_run:
         if warning := preflight.oversubscribed(cfg):
             print(f"paratrain: warning: {warning}", file=sys.stderr)
@@ -105,6 +126,8 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, say: Say = print) -> dict 
             split = read_split(cfg)
             world = job_world(cfg, env)
             chosen = [*chosen, budget_plan(cfg, len(split.train), len(split.val), world)]
+        from paratrain.engine.prerun.describe import dry_run as describe
+
         say(describe(cfg, env, chosen=chosen))
         return None
     claimed = None
@@ -117,7 +140,7 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, say: Say = print) -> dict 
             return launch_or_run(
                 cfg.processes,
                 ["train", *to_argv(cfg)],
-                lambda env: train_worker(cfg, env),
+                lambda env: _train_worker(cfg, env),
                 max_restarts=cfg.max_restarts,
                 master_port=cfg.master_port,
             )

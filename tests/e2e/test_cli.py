@@ -277,3 +277,35 @@ def test_done_in_is_the_commands_own_time(tmp_path):
     summary = json.loads((tmp_path / "runs/clock/summary.json").read_text())
     assert summary["wall_s"] == pytest.approx(said, abs=0.1)
     assert summary["first_step_s"] == pytest.approx(first, abs=0.1)
+
+
+def test_a_launcher_leaves_the_model_to_its_workers_which_tell_its_error_once(tmp_path):
+    """A launcher of workers loads neither torchvision nor the engine (a second and
+    more before its workers could start): its workers check the model first, and a
+    model that cannot take the size is still one line, exit 2, no run folder."""
+    data = make_image_folder(tmp_path / "data", classes=2, per_class=4)
+    probe = (
+        "import json, sys\n"
+        "import paratrain.api as api\n"
+        "from paratrain.config import TrainConfig\n"
+        "heavy = ('torchvision', 'paratrain.engine.trainer', 'paratrain.bench.autopilot')\n"
+        "seen = []\n"
+        "api.launch_or_run = lambda *a, **k: seen.extend(m for m in heavy if m in sys.modules)\n"
+        f"api.train(TrainConfig(data={str(data)!r}, nproc=2, model='resnet17', image_size=16))\n"
+        "print(json.dumps(seen))\n"
+    )
+    env = {**os.environ, "PARATRAIN_CACHE": str(tmp_path / "cache")}
+    launcher = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert launcher.returncode == 0, launcher.stderr
+    assert json.loads(launcher.stdout.splitlines()[-1]) == []  # the bad model not seen
+    out = run_cli("train", "--data", str(data), "--nproc", "2", "--epochs", "1", "--model",
+                  "vit_b_32", *FAST[2:], cwd=tmp_path, timeout=180)  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    errors = [line for line in out.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("paratrain: error:"), out.stderr
+    assert (
+        "cannot run on 16px images" in errors[0]
+        and "smallest --image-size it takes is 32" in errors[0]
+    )
+    assert "Traceback" not in out.stderr and not list(tmp_path.glob("runs/*"))

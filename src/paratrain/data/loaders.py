@@ -15,7 +15,6 @@ import numpy as np
 from torch.utils.data import DataLoader
 
 from paratrain.config import TrainConfig
-from paratrain.data.builtin import default_cache_dir
 from paratrain.data.cache.build import prepare
 from paratrain.data.cache.read import CachedImages, DecodedCache, cached_eval_transform
 from paratrain.data.device_batches import DeviceAugmented
@@ -37,7 +36,7 @@ from paratrain.data.samplers import (
 )
 from paratrain.data.samples import PackedStrings, Samples
 from paratrain.data.scan import screen
-from paratrain.data.sources.base import Source, open_source
+from paratrain.data.sources.base import memory_folder, source_of
 from paratrain.data.transforms import (
     Augment,
     AugmentedSamples,
@@ -83,19 +82,6 @@ def decode_workers(cfg: TrainConfig, runtime: Runtime) -> int:
 def nodes_of(runtime: Runtime) -> int:
     """Machines in the job."""
     return max(1, runtime.world_size // max(runtime.env.local_world_size, 1))
-
-
-def source_of(cfg: TrainConfig) -> Source:
-    """What --data names, opened (data/sources.py)."""
-    return open_source(
-        cfg.dataset,
-        memory_folder(cfg),
-        cfg.data_split,
-        cfg.val_split,
-        cfg.image_column,
-        cfg.label_column,
-        cfg.labels,
-    )
 
 
 def read_split(cfg: TrainConfig, runtime: Runtime | None = None) -> DataSplit:
@@ -213,11 +199,6 @@ def node_local(split: DataSplit, runtime: Runtime) -> tuple[int, int] | None:
     if source is None or not source.sharded or nodes_of(runtime) == 1:
         return None
     return runtime.env.local_rank, runtime.env.local_world_size
-
-
-def memory_folder(cfg: TrainConfig) -> Path:
-    """Where the screen's verdicts are kept: beside the decoded cache."""
-    return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
 
 
 def prepare_data(

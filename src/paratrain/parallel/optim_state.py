@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 # layers whose weights and biases --norm-weight-decay covers
 NORM_LAYERS = (
@@ -260,6 +259,8 @@ def load_optimizer(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> N
     contiguous, a data-parallel run's weights are channels_last. torch's fused CPU SGD and
     AdamW (2.14) read such a mixed pair in different element orders — measured: one
     resumed ResNet-18 step put a weight 1.9 away from the uninterrupted run's."""
+    from torch.distributed.tensor import DTensor
+
     optimizer.load_state_dict(state)
     for group in optimizer.param_groups:
         for param in group["params"]:

@@ -15,7 +15,6 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from paratrain.models.registry import logits_of
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.optim_state import Grouping
 
@@ -136,6 +135,8 @@ class ModelParts(list):
         process does not produce them). The loss's gradient is divided by ``divisor``
         (infinite: a stand-in's, weighted zero);
         ``lap("forward")`` is called between the two (bench times them)."""
+        from paratrain.models.registry import logits_of  # torchvision: where a model runs
+
         with precision.autocast():
             logits = logits_of(self(images))
             loss = criterion(logits, targets)

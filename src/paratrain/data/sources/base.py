@@ -19,13 +19,16 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 
 from paratrain.data.samples import PackedStrings, Samples
 from paratrain.data.sources import SOURCES
 from paratrain.errors import UserError
+
+if TYPE_CHECKING:
+    from paratrain.config import TrainConfig
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
@@ -221,6 +224,26 @@ def prefixes() -> tuple[str, ...]:
 def names_a_source(data: str) -> bool:
     """Whether ``--data`` names a source by its prefix (not a local folder)."""
     return data.startswith(prefixes())
+
+
+def source_of(cfg: TrainConfig) -> Source:
+    """What --data names, opened, with the run's options."""
+    return open_source(
+        cfg.dataset,
+        memory_folder(cfg),
+        cfg.data_split,
+        cfg.val_split,
+        cfg.image_column,
+        cfg.label_column,
+        cfg.labels,
+    )
+
+
+def memory_folder(cfg: TrainConfig) -> Path:
+    """Where the screen's verdicts are kept: beside the decoded cache."""
+    from paratrain.data.builtin import default_cache_dir
+
+    return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
 
 
 def open_source(

@@ -15,7 +15,6 @@ from paratrain.config import TrainConfig
 from paratrain.config.run_dirs import already_holds_a_run, claim_checkpoints, claim_new_name
 from paratrain.errors import UserError
 from paratrain.files import try_lock
-from paratrain.parallel import sharded
 from paratrain.report.trackers import TRACKERS
 from paratrain.report.trackers.base import kind as tracker_kind
 
@@ -44,6 +43,8 @@ def find_resumable(output_dir: Path, name: str | None) -> Path | None:
 
 def last_of_run(run: Path) -> Path | None:
     """The newer of a run directory's last.pt and sharded last/ (None: it has neither)."""
+    from paratrain.parallel import sharded  # torch's checkpoint package: when asked
+
     single = run / "checkpoints" / LAST
     candidates = [single] if single.is_file() else []
     folder = sharded.find(run / "checkpoints" / "last")
@@ -54,6 +55,8 @@ def last_of_run(run: Path) -> Path | None:
 def resume_target(resume: str) -> Path:
     """``--resume PATH``: a checkpoint file, a sharded checkpoint's folder, or a run
     directory (its last checkpoint)."""
+    from paratrain.parallel import sharded
+
     path = Path(resume)
     if not path.exists():
         raise UserError(f"--resume: checkpoint not found: {path}")

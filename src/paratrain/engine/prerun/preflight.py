@@ -1,10 +1,13 @@
-"""Everything a run can be found wrong about before any process starts, checked once.
+"""Everything a run can be found wrong about before it trains, checked once.
 
 The launcher (or the single process) runs these before it starts workers, so a mistake
 is one line, once, and never N lines or a hang on other ranks: files and folders, the
 data's layout, the weights, the packages an option needs, what the machine's devices
-can run, the strategy's own rules, and the model against its input size. Launched
-workers find ``PARATRAIN_CHECKED`` set and do not check again.
+can run and the strategy's own rules. Launched workers find ``PARATRAIN_CHECKED`` set
+and do not check these again. The model against its input size is checked where the
+model's package is loaded anyway: by a launcher that starts no workers, else by the
+workers before anything else (every rank finds the same; rank 0 tells it), so a
+launcher does not load torchvision (a second) only to check a size.
 """
 
 from __future__ import annotations
@@ -26,12 +29,11 @@ def already_checked() -> bool:
     return bool(os.environ.get(CHECKED))
 
 
-def preflight(cfg: TrainConfig, world: int) -> None:
+def preflight(cfg: TrainConfig, world: int, model: bool = True) -> None:
     """What every rank would otherwise find wrong at once, checked here, for a job of
-    ``world`` processes."""
+    ``world`` processes (``model``: the model against its input size too)."""
     from paratrain.data.folder import validation_side
-    from paratrain.data.loaders import source_of
-    from paratrain.data.sources.base import offer
+    from paratrain.data.sources.base import offer, source_of
     from paratrain.engine.checkpointing.run_dir import check_run_dir_free
 
     check_settings(cfg, world)
@@ -51,7 +53,8 @@ def preflight(cfg: TrainConfig, world: int) -> None:
     if cfg.teacher is not None and not source.sharded:
         check_teacher(cfg, len(listing.classes))
     check_devices(cfg, world)
-    check_model_input(cfg, world)
+    if model:
+        check_model_input(cfg, world)
 
 
 def check_teacher(cfg: TrainConfig, classes: int) -> None:
