@@ -64,6 +64,11 @@ def main() -> None:
         action="store_true",
         help="evaluate after every epoch and print a JSON line with its time.time()",
     )
+    parser.add_argument(
+        "--first-step",
+        action="store_true",
+        help='print {"first_step": time.time()} after the first optimizer step',
+    )
     args = parser.parse_args()
 
     distributed = "RANK" in os.environ
@@ -138,6 +143,8 @@ def main() -> None:
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+            if args.first_step and seen == 0 and rank == 0:
+                print(json.dumps({"first_step": time.time()}), flush=True)
             seen += labels.numel()
         if cuda:
             torch.cuda.synchronize(device)
