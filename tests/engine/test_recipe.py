@@ -208,3 +208,22 @@ def test_ema_decay_auto_averages_about_two_epochs_where_the_strategy_keeps_one(
     assert decide_ema(auto, 8, 1).ema_decay == 0.9
     huge = decide_ema(auto, 10**8, 1)
     assert huge.ema_decay == 0.9999
+
+
+@pytest.mark.parametrize(
+    ("strategy", "budget", "said"),
+    [("ddp", None, True), ("fsdp", None, False), ("pipeline", None, False), ("ddp", "60s", False)],
+)
+def test_the_start_lines_say_ema_auto_only_where_the_run_will_keep_an_average(
+    strategy, budget, said
+):
+    """Before its decay is made concrete in the run, --ema-decay auto is said as an
+    average where one will be kept, and not at all where the strategy keeps no whole
+    weights or --budget turns it off."""
+    from paratrain.engine.prerun.describe import run_facts
+
+    cfg = TrainConfig(data="d", strategy=strategy, budget=budget, batch_size=16)
+    assert cfg.ema_decay == "auto"
+    facts = run_facts(cfg, processes="2", world=2, cuda=False, backend="gloo", data="d",
+                      precision="fp32", cache="off")  # fmt: skip
+    assert ("EMA of the weights (auto" in facts.recipe) == said, facts.recipe

@@ -27,7 +27,7 @@ from paratrain.engine.run.schedule import base_lr
 from paratrain.engine.run.step import train_step as one_step
 from paratrain.engine.setup import Run, setup
 from paratrain.log import get_logger, since_start
-from paratrain.report.metrics import format_epoch
+from paratrain.report.metrics import AVERAGED, format_epoch
 from paratrain.report.plots import plot_curves
 from paratrain.report.run_files import nothing_left, progress_bar, summarise
 
@@ -200,12 +200,12 @@ def record_epoch(
     }
     for suffix, other in others.items():  # the EMA weights' (val_loss_ema, val_top1_ema)
         row.update({f"val_loss{suffix}": other.loss, f"val_top1{suffix}": other.top1})
-        if other.scores().get("map") is not None:  # several labels an image
-            row[f"val_map{suffix}"] = other.scores()["map"]
+        if (mean_ap := other.scores().get("map")) is not None:  # several labels an image
+            row[f"val_map{suffix}"] = mean_ap
     run.recipe.task.observe(result)  # several labels an image: the threshold chosen
     if not run.cut_short:  # else saved mid-epoch: a resumed run trains the rest of it
         progress.start_epoch(epoch + 1)
-    judged = others.get("_ema", result)  # the EMA weights, where kept, are the run's
+    judged = others.get(AVERAGED, result)  # the EMA weights, where kept, are the run's
     run.saver.save(progress, score=judged.score(run.cfg.monitor))  # --monitor picks best.pt
     if run.runtime.is_main:
         run.metrics.write(row)

@@ -71,12 +71,15 @@ def headline(row: dict[str, Any]) -> tuple[str, float | None]:
     return "top1", row.get("val_top1")
 
 
+AVERAGED = "_ema"  # the suffix of the EMA weights' columns (val_top1_ema, ...)
+
+
 def judged(rows: list[dict[str, Any]]) -> str:
     """The suffix of the columns a run is judged by (best.pt, its best top-1): "_ema"
     where it kept an average of the weights, else ""."""
     kept = any(r.get("val_top1_ema") is not None or r.get("val_map_ema") is not None
                for r in rows)  # fmt: skip
-    return "_ema" if kept else ""
+    return AVERAGED if kept else ""
 
 
 def format_epoch(row: dict[str, Any], epochs: int) -> str:

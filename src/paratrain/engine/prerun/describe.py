@@ -9,6 +9,7 @@ it built (its loaders, its cache, its model's parts).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
@@ -19,6 +20,16 @@ from paratrain.distributed.env import DistEnv
 from paratrain.engine.run.schedule import describe_schedule
 from paratrain.parallel.base import get as strategy_of
 from paratrain.report.run_files import RunFacts, recipe_words
+
+
+def _averaged(cfg: TrainConfig) -> TrainConfig:
+    """--ema-decay auto said as off where it will keep no average (the decay itself is
+    made concrete in the run, from its epoch's steps)."""
+    from paratrain.engine.run.recipe import auto_keeps_average
+
+    if cfg.ema_decay == "auto" and cfg.strategy != "auto" and not auto_keeps_average(cfg):
+        return replace(cfg, ema_decay=0.0)
+    return cfg
 
 
 def run_facts(
@@ -56,7 +67,7 @@ def run_facts(
             + ("; order global: the same steps at any world size" if cfg.order == "global" else "")
         ),
         schedule=f"{cfg.opt}, {describe_schedule(cfg, replicas)}",
-        recipe=recipe_words(cfg),
+        recipe=recipe_words(_averaged(cfg)),
         precision=precision
         + (" (auto)" if cfg.precision == "auto" else "")
         + (f", torch.compile of {_compiled(cfg)} (the first steps compile)" if cfg.compile else "")

@@ -27,6 +27,7 @@ from paratrain.models.registry import logits_of
 from paratrain.parallel import optim_state
 from paratrain.parallel.base import get as get_strategy
 from paratrain.parallel.parts import ModelParts
+from paratrain.report.metrics import AVERAGED
 
 # --ema-decay auto: the average spans about this many epochs' steps (chosen on the
 # suite's choose half, docs/benchmarks.md "Across a suite of sets")
@@ -62,7 +63,7 @@ class Recipe:
     def evaluated(self) -> dict[str, nn.Module]:
         """The models evaluated besides the trained one, by the suffix of their metrics
         columns: the EMA weights' (``_ema``), where kept."""
-        return {"_ema": self.ema.module} if self.ema is not None else {}
+        return {AVERAGED: self.ema.module} if self.ema is not None else {}
 
     def state_dict(self) -> dict[str, Any]:
         """What of the recipe a checkpoint keeps: the EMA weights, the grad scaler."""
@@ -436,6 +437,12 @@ def wants_average(cfg: TrainConfig) -> bool:
     return bool(cfg.ema_decay)
 
 
+def auto_keeps_average(cfg: TrainConfig) -> bool:
+    """Whether --ema-decay auto keeps an average: the run asks for one and its strategy
+    keeps whole weights to average."""
+    return wants_average(cfg) and get_strategy(cfg.strategy).keeps_average
+
+
 def decide_ema(cfg: TrainConfig, train_images: int, replicas: int) -> TrainConfig:
     """``cfg`` with --ema-decay concrete: auto averages over about EMA_EPOCHS epochs'
     optimizer steps (1 - 1 / steps, at least 10 steps, at most 0.9999) where the strategy
@@ -445,7 +452,7 @@ def decide_ema(cfg: TrainConfig, train_images: int, replicas: int) -> TrainConfi
     decision threshold is chosen on the raw weights' scores); 0 and None: none."""
     if cfg.ema_decay != "auto":
         return replace(cfg, ema_decay=float(cfg.ema_decay or 0.0))
-    if not (wants_average(cfg) and get_strategy(cfg.strategy).keeps_average):
+    if not auto_keeps_average(cfg):
         return replace(cfg, ema_decay=0.0)
     steps = EMA_EPOCHS * -(-train_images // (cfg.batch * replicas * cfg.grad_accum))
     return replace(cfg, ema_decay=round(min(1 - 1 / max(steps, 10), 0.9999), 6))
