@@ -28,6 +28,22 @@ def pytest_configure(config):
     os.environ["HF_DATASETS_CACHE"] = str(root / "huggingface" / "datasets")
     os.environ["TORCH_HOME"] = str(root / "torch")  # torch.hub's weights files
     os.environ["HF_HUB_OFFLINE"] = "1"  # the suite runs offline; a fetch test serves its own
+    _share_the_cores()
+
+
+def _share_the_cores() -> None:
+    """A test worker of several (pytest-xdist) takes its share of the cores, as torchrun
+    gives each of its workers: a run in this process, and the processes a test starts,
+    would otherwise each take every core while the other test workers do the same, and
+    their thread pools wait on each other (a 19 s test measured at 94 s in the suite)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if "PYTEST_XDIST_WORKER" not in os.environ or workers < 2:
+        return
+    threads = max(1, len(os.sched_getaffinity(0)) // workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
 
 
 def pytest_unconfigure(config):

@@ -96,13 +96,13 @@ def _wait_all(processes, grace: float = 30.0) -> None:
     does within its own grace period; those still running ``grace`` seconds after the
     first failure are stopped."""
     failed_at = None
-    while any(p.is_alive() for p in processes):
+    while alive := [p for p in processes if p.is_alive()]:  # once: a rank may end between
         if failed_at is None and any(p.exitcode not in (None, 0) for p in processes):
             failed_at = time.monotonic()
         if failed_at is not None and time.monotonic() - failed_at > grace:
             for p in processes:
                 p.kill()
-        next(p for p in processes if p.is_alive()).join(0.1)
+        alive[0].join(0.1)
 
 
 def in_single_process(fn, *args):
