@@ -37,7 +37,8 @@ from paratrain.log import get_logger, since_start
 MEASURED_STEPS = 6  # steps timed before the first plan (the first one left out: warm-up)
 EVAL_COST = 1 / 3  # a batch's evaluation, as a share of its training step (forward only)
 SAFETY = 0.02  # of the budget, kept back for what the plan cannot see (the last write)
-EXIT = 2.0  # seconds kept back for the processes to end (measured: 2.5 s for 2 on a CPU)
+EXIT = 0.75  # seconds kept back for the processes to end (measured: 0.3 s for 2 on a CPU,
+# from the last line to the command's exit; the launcher looks every 0.5 s)
 SHORT = 10.0  # auto: fewer epochs than this at the sizes as given, the low-res recipe
 # auto: no low-res recipe that would train below this many pixels (a ResNet's stride:
 # its last stage at one pixel). The suite's digits, 8-px originals given at 32 px, trained
