@@ -99,6 +99,7 @@ def arms(data: Path, work: Path, run: int) -> dict[str, tuple[list[str], str, di
         str(SIZE), "--batch-size", "16", "--epochs", "1", "--nproc", "2",
         "--output-dir", str(work / "runs"),
     ]  # fmt: skip
+
     def cache(arm: str) -> dict[str, str]:  # a first start: its own cache to build
         return {"PARATRAIN_CACHE": str(work / "cache" / f"{data.name}-{arm}-{run}")}
 

@@ -70,9 +70,10 @@ def step_seconds(
     cfg: TrainConfig, runtime: Runtime, steps: int = 3, warmup: int = 1
 ) -> tuple[float, int]:
     """The median of ``steps`` synced training steps after ``warmup``, the slowest
-    rank's (after the first step, which allocates, the median of three is within a tenth
-    of the steps that follow: ResNet-18 at 64 px, 2 processes, 2 cores), on every rank (every rank takes part: the steps all-reduce); and the
-    model's replicas (the processes that each train a share of a batch)."""
+    rank's, on every rank (every rank takes part: the steps all-reduce); and the
+    model's replicas (the processes that each train a share of a batch). After the
+    first step, which allocates, the median of three is within a tenth of the steps
+    that follow (ResNet-18 at 64 px, 2 processes on 2 cores)."""
     probe = prepare(cfg, runtime)
     times = []
     for i in range(warmup + steps):
