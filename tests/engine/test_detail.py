@@ -81,7 +81,10 @@ def test_auto_keeps_the_sizes_where_the_low_ones_lose_the_classes(tmp_path, monk
 
     said: list[str] = []
     monkeypatch.setattr(budget_module, "get_logger", lambda: SimpleNamespace(info=said.append))
-    monkeypatch.setattr(probe, "step_seconds", lambda cfg, runtime: (1.0, 1))  # few epochs fit
+    # few epochs fit whatever the clock: 10 s a step, and none of the budget gone yet
+    # (since_start is this test process's age otherwise)
+    monkeypatch.setattr(probe, "step_seconds", lambda cfg, runtime: (10.0, 1))
+    monkeypatch.setattr(budget_module, "since_start", lambda: 0.0)
     root = (_checks if kind == "checks" else _shapes)(tmp_path / kind)
     split = build_split(root)
     cfg = TrainConfig(data=str(root), model="resnet18", image_size=64, budget="60s")
