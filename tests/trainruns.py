@@ -84,9 +84,12 @@ def last_weights(root: Path, name: str) -> dict[str, torch.Tensor]:
     return checkpoint.load(path).model
 
 
-def run_cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, cwd: Path, timeout: float = 300, **extra: str
+) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PARATRAIN_CACHE"] = str(cwd / "cache")
+    env.update(extra)
     return subprocess.run(
         [sys.executable, "-m", "paratrain", *args],
         cwd=cwd,

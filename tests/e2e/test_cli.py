@@ -282,7 +282,8 @@ def test_done_in_is_the_commands_own_time(tmp_path):
 def test_a_launcher_leaves_the_model_to_its_workers_which_tell_its_error_once(tmp_path):
     """A launcher of workers loads neither torchvision nor the engine (a second and
     more before its workers could start): its workers check the model first, and a
-    model that cannot take the size is still one line, exit 2, no run folder."""
+    model that cannot take the size is still one line, exit 2, no run folder; nor does
+    the launch leave a folder in the temporary folder."""
     data = make_image_folder(tmp_path / "data", classes=2, per_class=4)
     probe = (
         "import json, sys\n"
@@ -299,8 +300,11 @@ def test_a_launcher_leaves_the_model_to_its_workers_which_tell_its_error_once(tm
                               capture_output=True, text=True, timeout=120)  # fmt: skip
     assert launcher.returncode == 0, launcher.stderr
     assert json.loads(launcher.stdout.splitlines()[-1]) == []  # none of them loaded
+    temporary = tmp_path / "tmp"  # torch's agent left a folder there at every launch
+    temporary.mkdir()
     out = run_cli("train", "--data", str(data), "--nproc", "2", "--epochs", "1", "--model",
-                  "vit_b_32", *FAST[2:], cwd=tmp_path, timeout=180)  # fmt: skip
+                  "vit_b_32", *FAST[2:], cwd=tmp_path, timeout=180,
+                  TMPDIR=str(temporary))  # fmt: skip
     assert out.returncode == 2, out.stderr
     errors = [line for line in out.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and errors[0].startswith("paratrain: error:"), out.stderr
@@ -309,3 +313,6 @@ def test_a_launcher_leaves_the_model_to_its_workers_which_tell_its_error_once(tm
         and "smallest --image-size it takes is 32" in errors[0]
     )
     assert "Traceback" not in out.stderr and not list(tmp_path.glob("runs/*"))
+    assert not [
+        p.name for p in temporary.iterdir() if p.name.startswith(("torchelastic_", "paratrain-"))
+    ]

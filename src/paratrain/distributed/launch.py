@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -98,9 +100,13 @@ def launch(
 
     for name in ("torch.distributed.elastic", "torch.distributed.run"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    # the agent's folder of the workers' error files: torch makes one in the temporary
+    # folder when given none, and leaves it there; this one goes when the launch ends
+    logs = tempfile.mkdtemp(prefix="paratrain-launch-")
     args = torchrun.parse_args(
         [
             *rendezvous,
+            f"--log-dir={logs}",
             f"--nproc-per-node={nproc}",
             f"--max-restarts={max_restarts}",
             "--monitor-interval=0.5",
@@ -132,6 +138,8 @@ def launch(
                 file=sys.stderr,
             )
         return failure.exitcode or 1
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
     return 0
 
 
