@@ -100,9 +100,7 @@ def launch(
 
     for name in ("torch.distributed.elastic", "torch.distributed.run"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    # the agent's folder of the workers' error files: torch makes one in the temporary
-    # folder when given none, and leaves it there; this one goes when the launch ends
-    logs = tempfile.mkdtemp(prefix="paratrain-launch-")
+    logs = tempfile.mkdtemp(prefix="paratrain-launch-")  # for the agent; its own stays in /tmp
     args = torchrun.parse_args(
         [
             *rendezvous,
