@@ -188,7 +188,7 @@ def test_plan_estimates_at_the_precision_the_run_would_use(capsys, monkeypatch):
 
 
 def test_plan_counts_the_ema_copy_where_the_strategy_keeps_one():
-    from paratrain.bench.memory import estimate, keeps_average
+    from paratrain.bench.memory import estimate, wants_average
     from paratrain.config import TrainConfig
     from paratrain.models.registry import create_model
 
@@ -199,5 +199,5 @@ def test_plan_counts_the_ema_copy_where_the_strategy_keeps_one():
     assert rows["ddp"].average == copy and rows["ddp"].total - plain["ddp"].total == copy
     assert rows["fsdp"].average == 0 and rows["pipeline"].average == 0  # they keep none
     # auto keeps one, except under --budget; 0 keeps none
-    assert keeps_average(TrainConfig()) and not keeps_average(TrainConfig(budget="60s"))
-    assert not keeps_average(TrainConfig(ema_decay=0.0))
+    assert wants_average(TrainConfig()) and not wants_average(TrainConfig(budget="60s"))
+    assert not wants_average(TrainConfig(ema_decay=0.0))

@@ -253,7 +253,7 @@ def _estimate(cfg: TrainConfig, devices: int, batch: int | None = None) -> list:
         model_name=cfg.model,
         teacher=plan.teacher_of(cfg, 10),
         checkpointed=cfg.activation_checkpointing,
-        averaged=plan.keeps_average(cfg),
+        averaged=plan.wants_average(cfg),
     )
 
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from paratrain.config import PlanOptions, TrainConfig
-from paratrain.engine.run.recipe import wants_average as keeps_average
+from paratrain.engine.run.recipe import wants_average
 from paratrain.errors import UserError
 from paratrain.parallel import STRATEGIES, partition
 from paratrain.parallel.base import DeviceMemory, MemoryProfile
@@ -296,7 +296,7 @@ def plan(cfg: TrainConfig, opts: PlanOptions) -> tuple[dict, str]:
         autocast=AUTOCAST.get(mode),
         teacher=teacher_of(cfg, opts.classes),
         checkpointed=cfg.activation_checkpointing,
-        averaged=keeps_average(cfg),
+        averaged=wants_average(cfg),
     )
     choice, why = recommend(rows, limit, opts.devices)
     result = {
