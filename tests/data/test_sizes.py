@@ -40,10 +40,22 @@ def test_the_run_says_which_size_it_took_and_how_to_have_the_default(tmp_path, c
     first = capsys.readouterr().out.splitlines()[0]
     assert first == (
         "--data's images are small (64 px on the short side, the median of 12; "
-        "--image-size 224 trains at the default): image_size=64"
+        "--image-size 224 trains at the default; crops keep at least 35% of an image): "
+        "image_size=64, crop_scale_min=0.35"
     )
     assert main(["train", "--data", str(data), "--image-size", "96", "--dry-run"]) == 0
     assert "(yours: image_size=96)" in capsys.readouterr().out.splitlines()[0]
+
+
+def test_small_images_get_milder_crops_unless_the_user_sets_them(tmp_path):
+    """An 8% crop of a small image leaves a few pixels blown up to the training size."""
+    data = _folder(tmp_path / "d", (80, 64))
+    assert resolve_train({"data": str(data)}).crop_scale_min == sizes.SMALL_CROP
+    given = resolve_train({"data": str(data), "image_size": 48, "crop_scale_min": 0.08})
+    assert given.crop_scale_min == 0.08
+    assert resolve_train({"data": str(data), "image_size": 48}).crop_scale_min == 0.35
+    large = _folder(tmp_path / "d300", (400, 300))  # ImageNet-sized: torchvision's 8%
+    assert resolve_train({"data": str(large)}).crop_scale_min == 0.08
 
 
 def test_sources_that_are_not_folders_keep_the_default():
