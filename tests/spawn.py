@@ -110,6 +110,14 @@ def in_single_process(fn, *args):
     return fn(0, 1, *args)
 
 
+def as_the_cli_resolves(values: dict) -> dict:
+    """``values`` with the presets the command line would fill in (fit_on_rank builds
+    TrainConfig as given: a reference for a command's run needs the same settings)."""
+    from paratrain.config import resolve_train
+
+    return resolve_train(values).to_dict()
+
+
 def fit_on_rank(rank, world_size, values: dict) -> dict:
     """paratrain's training loop on this rank of the group: returns its run summary."""
     from paratrain.config import TrainConfig

@@ -43,11 +43,11 @@ def test_slurm_script_runs_two_agents_that_equal_a_four_process_run(tmp_path, ca
     assert summary["world_size"] == 4
 
     # the reference: the same job on 4 ranks of one machine (forked here: no start-up)
-    from spawn import fit_on_rank, run_distributed
+    from spawn import as_the_cli_resolves, fit_on_rank, run_distributed
 
     config = {"data": str(data), "output_dir": str(tmp_path / "runs"), "name": "single"}
     config.update(image_size=16, batch_size=4, workers=0, epochs=1, deterministic=True)
-    run_distributed(fit_on_rank, 4, {**config, "cache": "off"})
+    run_distributed(fit_on_rank, 4, as_the_cli_resolves({**config, "cache": "off"}))
     two_nodes = torch.load(run_dir / "checkpoints/last.pt", weights_only=False)
     one_node = torch.load(tmp_path / "runs/single/checkpoints/last.pt", weights_only=False)
     for key, value in one_node["model"].items():

@@ -16,7 +16,7 @@ from imagefolders import make_image_folder
 from paratrain.cli import main
 from paratrain.engine.checkpointing import checkpoint
 from slurmstub import sbatch
-from spawn import fit_on_rank, run_distributed
+from spawn import as_the_cli_resolves, fit_on_rank, run_distributed
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +55,8 @@ def two_nodes(tmp_path_factory):
     job, task_logs = sbatch(root, script)
     assert job.returncode == 0, job.stderr + task_logs
     reference = {"data": str(data), "output_dir": str(root / "runs"), "name": "ddp", "epochs": 2}
-    run_distributed(fit_on_rank, 4, {**reference, **CONFIG, "deterministic": True})
+    reference = as_the_cli_resolves({**reference, **CONFIG, "deterministic": True})
+    run_distributed(fit_on_rank, 4, reference)
     return root, data, root / "runs/stub-4242", root / "runs/ddp"
 
 
