@@ -9,8 +9,9 @@ Such a folder also gets milder crops: RandomResizedCrop keeps at least ``SMALL_C
 an image's area, not ImageNet's 8%. An 8% crop of a 96x128 image is about 30 pixels a
 side, blown up to the training size: what told the classes apart is often cut away or
 blurred (small-image recipes, CIFAR's, crop no more than a few pixels off). Measured on
-the suite of docs/benchmarks.md: at equal epochs it closed the texture set's late gap to
-the plain loop (43% against 38%) and lifted the 50-class set (31% against 28%).
+the suite of docs/benchmarks.md (seeds 0 and 1): at equal epochs it closed the texture
+set's late gap to the plain loop (43% against 38%) and lifted the 50-class set (31%
+against 28%).
 """
 
 from __future__ import annotations
