@@ -59,6 +59,6 @@ def test_small_images_get_milder_crops_unless_the_user_sets_them(tmp_path):
 
 
 def test_sources_that_are_not_folders_keep_the_default():
-    assert sizes.suggested_size({"data": "hf:some/dataset"}) == {}
-    assert sizes.suggested_size({"data": "wds:/x/shard-{000..009}.tar"}) == {}
-    assert sizes.suggested_size({"data": "/no/such/folder"}) == {}
+    assert sizes.suggested_settings({"data": "hf:some/dataset"}) == {}
+    assert sizes.suggested_settings({"data": "wds:/x/shard-{000..009}.tar"}) == {}
+    assert sizes.suggested_settings({"data": "/no/such/folder"}) == {}

@@ -21,6 +21,6 @@ NUMBERS3 = r"\s*[0-9.eE+-]+\s*,\s*[0-9.eE+-]+\s*,\s*[0-9.eE+-]+\s*"  # R,G,B
 # what a named --weights brings (mean, std, sizes, interpolation): its registry's
 # metadata, read by the models package (config never imports it)
 WEIGHTS_PREPROCESSING = "paratrain.models.pretrained:preprocessing"
-SMALL_IMAGES = "paratrain.data.sizes:suggested_size"  # the size a folder's images suggest
+SMALL_IMAGES = "paratrain.data.sizes:suggested_settings"  # the size and crop small images suggest
 SMALL_IMAGES_WHY = "paratrain.data.sizes:why"
 MAX_SECONDS = 30 * 24 * 3600  # a time limit longer than this is a mistake (and overflows)

@@ -73,7 +73,7 @@ def _folder(values: Mapping[str, Any]) -> str | None:
     return str(path.resolve()) if path.is_dir() else None
 
 
-def suggested_size(values: Mapping[str, Any]) -> dict[str, Any]:
+def suggested_settings(values: Mapping[str, Any]) -> dict[str, Any]:
     """{"image_size": near the median short side, a multiple of 8, at least 32, and
     "crop_scale_min": SMALL_CROP} for a local folder of images smaller than the default;
     {} otherwise."""

@@ -100,7 +100,7 @@ def launch(
 
     for name in ("torch.distributed.elastic", "torch.distributed.run"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    logs = tempfile.mkdtemp(prefix="paratrain-launch-")  # for the agent; its own stays in /tmp
+    logs = tempfile.mkdtemp(prefix="paratrain-launch-")  # the agent, given none, leaves one
     args = torchrun.parse_args(
         [
             *rendezvous,
