@@ -64,7 +64,14 @@ def test_scale_measures_two_processes_fits_the_link_and_predicts(tmp_path, capsy
     (at2,) = [c for c in report["comparison"] if c["n"] == 2]
     assert at2["predicted_ms"] == pytest.approx(at2["compute_ms"] + at2["exposed_ms"], rel=1e-6)
     assert at2["communication_ms"] > 0
-    assert at2["from_one_process_ms"] < at2["predicted_ms"] + 1e-6  # no sharing: no slower
+    # the prediction takes the compute measured at N=2: a slower compute (processes sharing
+    # the machine) never predicts a faster step, nor a faster one a slower step; whether
+    # sharing did slow it is the machine's timing, and is not asserted
+    alone = sum(report["profile"][k] for k in ("data_forward_ms", "backward_ms", "optimizer_ms"))
+    if at2["compute_ms"] >= alone:
+        assert at2["from_one_process_ms"] < at2["predicted_ms"] + 1e-6
+    else:
+        assert at2["predicted_ms"] < at2["from_one_process_ms"] + 1e-6
     assert f"{at2['error_pct']:+.1f}%" in text
 
     predicted = report["predicted"]
