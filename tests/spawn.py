@@ -48,6 +48,10 @@ def _entry(rank, world_size, port, fn, args, out_dir, per_node):
         world_size=world_size,
         timeout=datetime.timedelta(seconds=120),
     )
+    # every rank's mesh whole before any goes on: a rank whose fn needs no communication
+    # could otherwise end, and close its side, while another still handshakes (seen once:
+    # gloo's connectFullMesh failing on rank 0, "Connection closed by peer")
+    dist.barrier()
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, Path(out_dir) / f"{rank}.pt")

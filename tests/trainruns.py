@@ -3,7 +3,9 @@ would (a subprocess of `paratrain train`), and reading what it saved."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -43,16 +45,39 @@ def job(folder: Path, name: str, *extra: str, nproc: int = 2, epochs: int = 1) -
 
 
 def run(root: Path, *args: str, timeout: float = 240, **env: str):
+    """`paratrain train *args` in ``root``: (the finished process, its seconds). One still
+    running after ``timeout`` is killed with every process below it, and fails the
+    test with what it printed (killing the launcher alone would leave its workers
+    holding the pipes, and the test waiting on them for ever)."""
     start = time.monotonic()
-    out = subprocess.run(
+    process = subprocess.Popen(
         [sys.executable, "-m", "paratrain", "train", *args],
         cwd=root,
         env=env_for(root, **env),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
     )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in [*_descendants(process.pid), process.pid]:  # the workers too
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        raise AssertionError(
+            f"paratrain train {' '.join(args)} still ran after {timeout:.0f} s:\n"
+            f"{stdout[-3000:]}\n{stderr[-3000:]}"
+        ) from None
+    out = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
     return out, time.monotonic() - start
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, deepest first."""
+    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    children = [int(child) for child in found.split()]
+    return [below for child in children for below in [*_descendants(child), child]]
 
 
 def leftover(tag: str) -> list[str]:

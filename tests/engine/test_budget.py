@@ -327,3 +327,34 @@ def test_the_first_epochs_cost_does_not_move_a_plan_made_from_the_steps(monkeypa
     assert plan.after_epoch(1.0, 20.0) == planned  # twice the steps' guess: not yet
     clock["now"] = 50.0
     assert plan.after_epoch(2.0, 20.0) < planned  # the second confirms it: the end moves
+
+
+def _plans_on_rank(rank: int, world_size: int) -> tuple[float | None, str | None]:
+    """A budget whose ranks' clocks stand 100 s apart (each process counts from its own
+    start), at a re-plan whose change lies between the two ranks' thresholds (a tenth
+    of the time left), and a resumed run's start where rank 1's clock says spent."""
+    from paratrain.engine.end import End
+
+    clocks = {0: 0.0, 1: 100.0}
+    budget_module.since_start = lambda: clocks[rank]  # a forked process of its own
+    plan = Budget(1000.0, steps_per_epoch=10, val_batches=3)
+    left = plan.left() if rank == 0 else plan.left() + 100  # rank 0's: 979.25 s
+    cost = (left - 93.0) / 9  # moving the end from 10 epochs to 1 + left / cost: 93 s
+    plan.planned, plan.epoch_costs = 10.0, [cost]
+    planned = plan.after_epoch(1.0, cost)
+    clocks[1] = 990.0  # rank 1 alone sees the budget spent
+    end = End(Schedule(peak=0.1, epochs=5.0), budget=Budget(1000.0))
+    return planned, end.at_start(2, 40, "1000s")
+
+
+def test_every_rank_moves_the_plan_and_starts_by_rank_zeros_clock():
+    """The ranks' clocks differ by when each process started; a decision made on one's
+    own clock (whether a re-plan moves the end, whether a resumed budget is spent) let
+    one rank end its epoch a step before another, which then waited for it in the next
+    collective for ever (seen once in a resumed --budget run). Rank 0's clock decides."""
+    from spawn import run_distributed
+
+    (planned, started), other = run_distributed(_plans_on_rank, 2)
+    assert (planned, started) == other
+    assert planned == 10.0  # 93 s under rank 0's threshold of 97.9 s: the plan stands
+    assert started is None  # rank 0's budget is not spent: both train

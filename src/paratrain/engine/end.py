@@ -63,7 +63,7 @@ class End:
         the epochs were reached). A budget spent before a first step is refused."""
         if self.budget is None:
             return "" if epoch >= self.whole else None
-        if self.budget.left() <= 0:
+        if self.budget.agreed_left() <= 0:  # every rank trains on, or none
             spent = duration(self.budget.elapsed())
             if global_step == 0:
                 raise AgreedUserError(

@@ -100,7 +100,14 @@ class Budget:
         return self.spent_before + since_start()
 
     def left(self) -> float:
+        """Seconds left by this rank's clock (a decision reads rank 0's: agreed_left)."""
         return self.seconds * (1 - SAFETY) - EXIT - self.elapsed()
+
+    def agreed_left(self) -> float:
+        """Rank 0's seconds left, on every rank."""
+        left = comm.broadcast_object(self.left())
+        assert left is not None  # rank 0's
+        return left
 
     def after_step(self, done: float) -> float | None:
         """Called after every step (``done``: epochs trained so far); a new plan (the
@@ -144,11 +151,12 @@ class Budget:
         if self.finished:  # the schedule has ended: it is never stretched again
             assert self.planned is not None
             return self.planned
-        left = max(self.left(), 0.0)
-        # rank 0's clock and costs decide, so every rank keeps or moves the plan alike
-        agreed = comm.broadcast_object((done + left / max(epoch_seconds, 1e-9), epoch_seconds))
+        # rank 0's clock and costs decide, so every rank keeps or moves the plan alike: the
+        # time left too, which the threshold below reads (the ranks' clocks start apart)
+        agreed = comm.broadcast_object((max(self.left(), 0.0), epoch_seconds))
         assert agreed is not None  # rank 0's
-        fits, epoch_seconds = max(agreed[0], done), agreed[1]
+        left, epoch_seconds = agreed
+        fits = done + left / max(epoch_seconds, 1e-9)
         if self.planned is None:
             self.planned = fits
             get_logger().info(self._first_words(fits, left, how))
