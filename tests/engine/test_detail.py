@@ -83,7 +83,8 @@ def test_auto_keeps_the_sizes_where_the_low_ones_lose_the_classes(tmp_path, monk
     monkeypatch.setattr(budget_module, "get_logger", lambda: SimpleNamespace(info=said.append))
     # few epochs fit whatever the clock: 10 s a step, and none of the budget gone yet
     # (since_start is this test process's age otherwise)
-    monkeypatch.setattr(probe, "step_seconds", lambda cfg, runtime: (10.0, 1))
+    timed: list[int] = []
+    monkeypatch.setattr(probe, "step_seconds", lambda cfg, runtime: timed.append(1) or (10.0, 1))
     monkeypatch.setattr(budget_module, "since_start", lambda: 0.0)
     root = (_checks if kind == "checks" else _shapes)(tmp_path / kind)
     split = build_split(root)
@@ -91,6 +92,11 @@ def test_auto_keeps_the_sizes_where_the_low_ones_lose_the_classes(tmp_path, monk
     runtime = Runtime(env=DistEnv(), device=torch.device("cpu"), backend=None)
     chosen = budget_module.choose_recipe(cfg, runtime, split, None)
     assert chosen.budget_recipe == recipe
-    assert "nearest class mean" in said[-1] and said[-1].endswith(
-        "the sizes as given" if recipe == "fixed" else "--budget-recipe low-res"
-    )
+    # the look comes first; where it keeps the sizes no step is timed (the probe's
+    # seconds are the budget's), else the probe's line follows and decides
+    assert "nearest class mean" in said[0]
+    if recipe == "fixed":
+        assert said[0].endswith("the sizes as given") and len(said) == 1 and not timed
+    else:
+        assert said[0].endswith("the lower size keeps it") and timed == [1]
+        assert "timing a few steps" in said[1] and said[-1].endswith("--budget-recipe low-res")

@@ -61,7 +61,9 @@ def check_detail(
     validation sizes and at ``low``'s."""
     picked = _picked(samples.labels, seed)
     labels = samples.labels[picked]
-    pictures = [to_chw(load_rgb(samples.keys[i], None, samples.source)) for i in picked]
+    # decoded no larger than validation needs (a JPEG at a fraction of its size)
+    at_least = max(cfg.eval_resize, low.eval_resize)
+    pictures = [to_chw(load_rgb(samples.keys[i], at_least, samples.source)) for i in picked]
     given = _accuracy(np.stack([_cells(p, cfg) for p in pictures]), labels)
     lowered = _accuracy(np.stack([_cells(p, low) for p in pictures]), labels)
     return DetailCheck(given, lowered, len(picked))
