@@ -61,9 +61,7 @@ def run(root: Path, *args: str, timeout: float = 240, **env: str):
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        for pid in [*_descendants(process.pid), process.pid]:  # the workers too
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill_tree(process.pid)
         stdout, stderr = process.communicate()
         raise AssertionError(
             f"paratrain train {' '.join(args)} still ran after {timeout:.0f} s:\n"
@@ -71,6 +69,14 @@ def run(root: Path, *args: str, timeout: float = 240, **env: str):
         ) from None
     out = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
     return out, time.monotonic() - start
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it (torchrun's workers are in sessions of
+    their own, so a process group would miss them)."""
+    for each in [*_descendants(pid), pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(each, signal.SIGKILL)
 
 
 def _descendants(pid: int) -> list[int]:

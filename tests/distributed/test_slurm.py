@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import torch
 from imagefolders import make_image_folder
 from paratrain.cli import main
 from slurmstub import _env, sbatch
+from trainruns import kill_tree
 
 pytestmark = pytest.mark.slow
 
@@ -200,13 +200,8 @@ def _wait_for(condition, procs, what: str, timeout: float = 120) -> None:
 
 
 def _kill_node(agent: subprocess.Popen) -> None:
-    """SIGKILL a torchrun agent and its workers (torchrun puts them in sessions of their own)."""
-    children = subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True)
-    for pid in [agent.pid, *map(int, children.stdout.split())]:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    """SIGKILL a torchrun agent and its workers."""
+    kill_tree(agent.pid)
     agent.wait()
 
 

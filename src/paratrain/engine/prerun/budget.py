@@ -285,13 +285,13 @@ def choose_recipe(
         return replace(cfg, budget_recipe=recorded_recipe(resumed))
     if not may_choose(cfg) or not _takes(low_res(cfg), runtime.world_size):
         return replace(cfg, budget_recipe="fixed")
+    budget = f"budget {duration(cfg.budget_seconds or 0.0)}"
     if low_res(cfg).train_size < SMALLEST:
         get_logger().info(
-            f"budget {duration(cfg.budget_seconds or 0.0)}: the sizes as given (low-res "
-            f"would train at {low_res(cfg).train_size} px, below {SMALLEST})"
+            f"{budget}: the sizes as given (low-res would train at "
+            f"{low_res(cfg).train_size} px, below {SMALLEST})"
         )
         return replace(cfg, budget_recipe="fixed")
-    budget = f"budget {duration(cfg.budget_seconds or 0.0)}"
     if _detail_lost(cfg, split, budget):  # a look at a few images, before any step is timed
         return replace(cfg, budget_recipe="fixed")
     from paratrain.engine.prerun.probe import step_seconds  # builds a model: only when choosing
