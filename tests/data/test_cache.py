@@ -77,6 +77,31 @@ def test_train_transform_on_cached_uint8(tmp_path):
     assert cache.image(0).dtype == torch.uint8 and min(cache.image(0).shape[1:]) == 27
 
 
+def test_a_cache_side_keeps_large_originals_larger_and_validation_keeps_its_resize(tmp_path):
+    """--cache-side: the cache keeps the short side asked for (never below validation's
+    resize), so that a small training crop of a large original is cut from more pixels;
+    validation, whose resize the cache then does not hold, decodes as it would uncached."""
+    from paratrain.config import TrainConfig
+    from paratrain.data.loaders import validation_loader
+
+    assert TrainConfig(image_size=64, cache_side=40).stored_size == 73  # validation's resize
+    cfg = TrainConfig(image_size=24, cache_side=90, workers=0)
+    split = build_split(_varied_folder(tmp_path / "d"))
+    kept = {}
+    for side in (cfg.stored_size, TrainConfig(image_size=24).stored_size):
+        cache = prepare(split.train + split.val, 24, "raw", 1.0, str(tmp_path / "c"), workers=0,
+                        short=side)  # fmt: skip
+        large = [i for i, key in enumerate(split.train.keys) if key.endswith("large.jpg")]
+        kept[side] = min(cache.image(cache.slots(split.train)[large[0]]).shape[1:])
+    assert kept == {90: 90, 27: 27}
+    loader = validation_loader(split.val, cfg, 4, 0, 0, 1, cache=None)
+    cached = validation_loader(split.val, cfg, 4, 0, 0, 1, prepare(
+        split.val, 24, "raw", 1.0, str(tmp_path / "c"), workers=0, short=cfg.stored_size))  # fmt: skip
+    assert not isinstance(cached.dataset, CachedImages)  # a second resize would change them
+    for (a, _), (b, _) in zip(loader, cached, strict=True):
+        assert a.shape[1:] == (3, 24, 24) and torch.equal(a, b)
+
+
 def test_changed_data_rebuilds_and_auto_respects_the_budget(tmp_path, monkeypatch):
     data = _varied_folder(tmp_path / "d")
     split = build_split(data)

@@ -204,8 +204,9 @@ class TrainConfig(
     @property
     def stored_size(self) -> int:
         """The short side the decoded cache keeps: what the larger of training and
-        validation needs (validation's resize, unless training crops need more)."""
-        return max(self.eval_resize, resize_for_crop(self.train_size))
+        validation needs (validation's resize, unless training crops need more), or
+        --cache-side where it is larger."""
+        return max(self.eval_resize, resize_for_crop(self.train_size), self.cache_side or 0)
 
     @property
     def norm_mean(self) -> tuple[float, float, float]:

@@ -241,6 +241,16 @@ class DataSettings:
         choices_from=CACHE_MODES,
         resume="quiet",
     )
+    cache_side: int | None = setting(
+        None,
+        "the short side the decoded cache keeps images at (never below validation's "
+        "resize); larger keeps the detail of large originals that RandomResizedCrop's small "
+        "crops blow up to the training size",
+        group="data",
+        low=8,
+        high=MAX_IMAGE_SIZE,
+        default_text="what validation's resize and the training crop need",
+    )
     cache_max_gb: float = setting(
         4.0,
         "memory budget of raw cached pixels in auto mode (beyond it: packed JPEG)",
