@@ -100,6 +100,13 @@ def folder(tmp_path_factory) -> Path:
     return make_image_folder(tmp_path_factory.mktemp("data") / "d", classes=2, per_class=4)
 
 
+@pytest.fixture(scope="module")
+def large_folder(tmp_path_factory) -> Path:
+    return make_image_folder(
+        tmp_path_factory.mktemp("large") / "d", classes=2, per_class=4, size=(400, 300)
+    )
+
+
 def _other(value):
     """A valid value other than a preset's."""
     if isinstance(value, bool):
@@ -122,14 +129,17 @@ def _resolved(argv: list[str]) -> TrainConfig:
 
 
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.name)
-def test_a_preset_fills_what_was_not_given_by_flag_or_by_file_alike(preset, folder, tmp_path):
+def test_a_preset_fills_what_was_not_given_by_flag_or_by_file_alike(
+    preset, folder, large_folder, tmp_path
+):
     trigger = {
         "adamw": {"opt": "adamw", "data": str(folder)},
         "digits": {},
         "weights": {"model": "resnet50", "weights": "IMAGENET1K_V2", "data": str(folder)},
         "small images": {"data": str(folder)},  # 40x30 images: trained at 32 px
+        "large images": {"data": str(large_folder), "image_size": 32},  # cached at 114
     }[preset.name]
-    trigger_flags = [x for k, v in trigger.items() for x in (f"--{k}", str(v))]
+    trigger_flags = [x for k, v in trigger.items() for x in (f"--{k.replace('_', '-')}", str(v))]
     left_out = _resolved(trigger_flags)
     offered = preset.values_for(left_out.to_dict())
     assert offered

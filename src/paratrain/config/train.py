@@ -33,6 +33,8 @@ from paratrain.config.sections.output import OutputSettings
 from paratrain.config.sections.runtime import RuntimeSettings
 from paratrain.config.sections.schedule import ScheduleSettings
 from paratrain.config.words import (
+    LARGE_IMAGES,
+    LARGE_IMAGES_WHY,
     MAX_IMAGE_SIZE,
     NAME_MAX,
     SMALL_IMAGES,
@@ -351,6 +353,16 @@ PRESETS = (
         lambda v: bool(v.get("data")) and bool(_provided(SMALL_IMAGES, v)),
         SMALL_IMAGES,
         lambda v: _provided(SMALL_IMAGES_WHY, v),
+    ),
+    # A folder of images larger than the cache keeps by default (validation's resize):
+    # training crops are cut from the larger cached images, as a plain loop cuts them from
+    # the originals (docs/benchmarks.md, few images at 50 epochs), where it fits the
+    # cache's memory budget.
+    Preset(
+        "large images",
+        lambda v: bool(v.get("data")) and bool(_provided(LARGE_IMAGES, v)),
+        LARGE_IMAGES,
+        lambda v: _provided(LARGE_IMAGES_WHY, v),
     ),
     # What AdamW (and LAMB, its layer-wise kin) is usually run with (timm's and torchvision's ViT recipes are close):
     # SGD's rate would be far too large for it.

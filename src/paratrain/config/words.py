@@ -23,4 +23,6 @@ NUMBERS3 = r"\s*[0-9.eE+-]+\s*,\s*[0-9.eE+-]+\s*,\s*[0-9.eE+-]+\s*"  # R,G,B
 WEIGHTS_PREPROCESSING = "paratrain.models.pretrained:preprocessing"
 SMALL_IMAGES = "paratrain.data.sizes:suggested_settings"  # the size and crop small images suggest
 SMALL_IMAGES_WHY = "paratrain.data.sizes:why"
+LARGE_IMAGES = "paratrain.data.sizes:larger_cache"  # the cache side large originals suggest
+LARGE_IMAGES_WHY = "paratrain.data.sizes:why_larger"
 MAX_SECONDS = 30 * 24 * 3600  # a time limit longer than this is a mistake (and overflows)

@@ -85,6 +85,50 @@ def suggested_settings(values: Mapping[str, Any]) -> dict[str, Any]:
     return {"image_size": size, "crop_scale_min": SMALL_CROP} if size < DEFAULT else {}
 
 
+def _image_count(folder: str) -> int:
+    """The images in the folder's class folders, by name (nothing opened)."""
+    count = 0
+    for class_folder in _class_folders(Path(folder)):
+        try:
+            count += sum(1 for n in os.listdir(class_folder) if is_image(n) and not is_junk(n))
+        except OSError:
+            continue
+    return count
+
+
+def larger_cache(values: Mapping[str, Any]) -> dict[str, Any]:
+    """{"cache_side": the short side at which the smallest training crop still holds the
+    training size, no more than the median original's} for a local folder of images
+    larger than the cache keeps by default (validation's resize), where raw pixels at
+    that side fit --cache-max-gb; {} otherwise. A crop of 8% of a 73-px image is cut from
+    about 20 pixels a side and blown up to 64: kept at the original's 360, from 100."""
+    folder = _folder(values)
+    found = median_short_side(folder) if folder else None
+    if found is None or values.get("progressive"):
+        return {}
+    size = values.get("train_crop") or values.get("image_size") or DEFAULT
+    scale = values.get("crop_scale_min") or (SMALL_CROP if suggested_settings(values) else 0.08)
+    side = min(found[0], math.ceil(size / math.sqrt(scale)))
+    if side <= round(max(size, values.get("val_crop") or 0) * 256 / 224):
+        return {}  # validation's resize keeps as much
+    assert folder is not None
+    budget = float(values.get("cache_max_gb") or 4.0) * 2**30
+    return {"cache_side": side} if _image_count(folder) * side * side * 4 <= budget else {}
+
+
+def why_larger(values: Mapping[str, Any]) -> str:
+    """The start line's words for the larger cache."""
+    folder = _folder(values)
+    median, read = median_short_side(folder) or (0, 0) if folder else (0, 0)
+    side = values.get("cache_side") or larger_cache(values).get("cache_side")
+    return (
+        f"--data's images are large ({median} px on the short side, the median of {read}): "
+        f"the cache keeps them at {side} px, not at validation's resize, so that the "
+        "smallest training crop is cut from as many pixels as it shows (its raw pixels fit "
+        "--cache-max-gb)"
+    )
+
+
 def why(values: Mapping[str, Any]) -> str:
     """The start line's words for the preset."""
     folder = _folder(values)
