@@ -249,7 +249,8 @@ class DataSettings:
         group="data",
         low=8,
         high=MAX_IMAGE_SIZE,
-        default_text="what validation's resize and the training crop need",
+        default_text="validation's resize; for a folder of larger images, the side at which "
+        "the smallest crop holds the training size, where it fits --cache-max-gb",
     )
     cache_max_gb: float = setting(
         4.0,
