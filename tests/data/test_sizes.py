@@ -66,18 +66,22 @@ def test_sources_that_are_not_folders_keep_the_default():
 
 def test_large_images_are_cached_large_enough_for_the_smallest_crop(tmp_path, capsys):
     """A 8% crop of a cache kept at validation's resize is cut from a few pixels of a
-    large original: the cache keeps the side at which the smallest crop still holds the
-    training size, no larger than the originals, where its raw pixels fit the budget."""
+    large original: from originals twice that side, the cache keeps the side at which the
+    smallest crop still holds the training size, no larger than the originals, where its
+    raw pixels fit the budget."""
     data = _folder(tmp_path / "d300", (400, 300))
     cfg = resolve_train({"data": str(data), "image_size": 32})
     assert cfg.cache_side == 114 and cfg.stored_size == 114  # 32 / the root of 0.08
-    assert resolve_train({"data": str(data)}).cache_side == 300  # the originals', not 792
+    assert resolve_train({"data": str(data)}).cache_side is None  # 300 px: not twice 256
     milder = resolve_train({"data": str(data), "image_size": 32, "crop_scale_min": 0.5})
     assert milder.cache_side == 46  # 32 / the root of 0.5, above validation's 37
     assert resolve_train({"data": str(data), "image_size": 32, "cache_side": 64}).cache_side == 64
     tight = resolve_train({"data": str(data), "image_size": 32, "cache_max_gb": 1e-6})
     assert tight.cache_side is None and tight.stored_size == 37  # raw pixels would not fit
-    assert resolve_train({"data": str(data), "image_size": 288}).cache_side is None  # 329 > 300
+    assert resolve_train({"data": str(data), "image_size": 128}).cache_side == 300
+    assert resolve_train({"data": str(data), "image_size": 160}).cache_side is None  # 183x2 > 300
+    wide = resolve_train({"data": str(data), "image_size": 64, "crop_scale_min": 0.9})
+    assert wide.cache_side is None  # 68: validation's 73 keeps more
     small = _folder(tmp_path / "d64", (80, 64))
     assert resolve_train({"data": str(small)}).cache_side is None  # trains at its own size
     assert main(["train", "--data", str(data), "--image-size", "32", "--dry-run"]) == 0

@@ -354,7 +354,7 @@ PRESETS = (
         SMALL_IMAGES,
         lambda v: _provided(SMALL_IMAGES_WHY, v),
     ),
-    # A folder of images larger than the cache keeps by default (validation's resize):
+    # A folder of images twice the side the cache keeps by default (validation's resize):
     # training crops are cut from the larger cached images, as a plain loop cuts them from
     # the originals (docs/benchmarks.md, few images at 50 epochs), where it fits the
     # cache's memory budget.

@@ -31,6 +31,7 @@ SAMPLE = 64  # image headers read, spread over the classes
 DEFAULT = 224  # TrainConfig's image_size: larger images keep it
 SMALLEST = 32
 SMALL_CROP = 0.35  # --crop-scale-min for small images (torchvision's default: 0.08)
+LARGE = 2  # originals this many times the cached side or more are cached larger
 
 
 def _class_folders(root: Path) -> list[Path]:
@@ -99,8 +100,8 @@ def _image_count(folder: str) -> int:
 def larger_cache(values: Mapping[str, Any]) -> dict[str, Any]:
     """{"cache_side": the short side at which the smallest training crop still holds the
     training size, no more than the median original's} for a local folder of images
-    larger than the cache keeps by default (validation's resize), where raw pixels at
-    that side fit --cache-max-gb; {} otherwise. A crop of 8% of a 73-px image is cut from
+    ``LARGE`` times the side the cache keeps by default (validation's resize) or more,
+    where raw pixels at that side fit --cache-max-gb; {} otherwise. A crop of 8% of a 73-px image is cut from
     about 20 pixels a side and blown up to 64: kept at the original's 360, from 100."""
     folder = _folder(values)
     found = median_short_side(folder) if folder else None
@@ -108,9 +109,12 @@ def larger_cache(values: Mapping[str, Any]) -> dict[str, Any]:
         return {}
     size = values.get("train_crop") or values.get("image_size") or DEFAULT
     scale = values.get("crop_scale_min") or (SMALL_CROP if suggested_settings(values) else 0.08)
+    kept = round(max(size, values.get("val_crop") or 0) * 256 / 224)  # validation's resize
+    if found[0] < LARGE * kept:
+        return {}  # the cache keeps most of what the originals hold
     side = min(found[0], math.ceil(size / math.sqrt(scale)))
-    if side <= round(max(size, values.get("val_crop") or 0) * 256 / 224):
-        return {}  # validation's resize keeps as much
+    if side <= kept:
+        return {}
     assert folder is not None
     budget = float(values.get("cache_max_gb") or 4.0) * 2**30
     return {"cache_side": side} if _image_count(folder) * side * side * 4 <= budget else {}
