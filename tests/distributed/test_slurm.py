@@ -224,7 +224,10 @@ def test_elastic_a_node_leaves_and_the_rest_go_on(tmp_path):
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{port}",
             "--rdzv-id=elastic",
-            f"--rdzv-conf=is_host={is_host},last_call_timeout=3",
+            # the node that left is given up after 3 missed heartbeats of a second
+            # (torch's default: of 5 s, which made this test wait 15 s for it)
+            f"--rdzv-conf=is_host={is_host},last_call_timeout=3,keep_alive_interval=1,"
+            "keep_alive_max_attempt=3",
             "--max-restarts=3",
             "--monitor-interval=0.5",
             "-m",
