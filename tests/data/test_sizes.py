@@ -80,6 +80,8 @@ def test_large_images_are_cached_large_enough_for_the_smallest_crop(tmp_path, ca
     assert tight.cache_side is None and tight.stored_size == 37  # raw pixels would not fit
     assert resolve_train({"data": str(data), "image_size": 128}).cache_side == 300
     assert resolve_train({"data": str(data), "image_size": 160}).cache_side is None  # 183x2 > 300
+    resized = resolve_train({"data": str(data), "image_size": 32, "val_resize": 160})
+    assert resized.cache_side is None  # validation's own 160 keeps over half of 300
     wide = resolve_train({"data": str(data), "image_size": 64, "crop_scale_min": 0.9})
     assert wide.cache_side is None  # 68: validation's 73 keeps more
     small = _folder(tmp_path / "d64", (80, 64))

@@ -101,15 +101,21 @@ def larger_cache(values: Mapping[str, Any]) -> dict[str, Any]:
     """{"cache_side": the short side at which the smallest training crop still holds the
     training size, no more than the median original's} for a local folder of images
     ``LARGE`` times the side the cache keeps by default (validation's resize) or more,
-    where raw pixels at that side fit --cache-max-gb; {} otherwise. A crop of 8% of a 73-px image is cut from
-    about 20 pixels a side and blown up to 64: kept at the original's 360, from 100."""
+    where raw pixels at that side fit --cache-max-gb; {} otherwise. A crop of 8% of a
+    73-px image is cut from about 20 pixels a side and blown up to 64; of a 360-px
+    original, from 100."""
+    from paratrain.config.train import resize_for_crop
+
     folder = _folder(values)
     found = median_short_side(folder) if folder else None
     if found is None or values.get("progressive"):
         return {}
     size = values.get("train_crop") or values.get("image_size") or DEFAULT
     scale = values.get("crop_scale_min") or (SMALL_CROP if suggested_settings(values) else 0.08)
-    kept = round(max(size, values.get("val_crop") or 0) * 256 / 224)  # validation's resize
+    kept = max(  # what the cache keeps without it: validation's resize, or the crop's
+        values.get("val_resize") or resize_for_crop(values.get("val_crop") or size),
+        resize_for_crop(size),
+    )
     if found[0] < LARGE * kept:
         return {}  # the cache keeps most of what the originals hold
     side = min(found[0], math.ceil(size / math.sqrt(scale)))
