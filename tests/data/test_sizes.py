@@ -13,6 +13,7 @@ from paratrain.data import sizes
 
 def _folder(root: Path, size: tuple[int, int]) -> Path:
     sizes.median_short_side.cache_clear()
+    sizes._image_count.cache_clear()
     return make_image_folder(root, classes=3, per_class=4, size=size)
 
 

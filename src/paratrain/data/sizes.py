@@ -86,8 +86,10 @@ def suggested_settings(values: Mapping[str, Any]) -> dict[str, Any]:
     return {"image_size": size, "crop_scale_min": SMALL_CROP} if size < DEFAULT else {}
 
 
+@functools.lru_cache(maxsize=16)
 def _image_count(folder: str) -> int:
-    """The images in the folder's class folders, by name (nothing opened)."""
+    """The images in the folder's class folders, by name (nothing opened; once a run:
+    the rule is asked again for its first line)."""
     count = 0
     for class_folder in _class_folders(Path(folder)):
         try:
