@@ -106,18 +106,15 @@ def larger_cache(values: Mapping[str, Any]) -> dict[str, Any]:
     where raw pixels at that side fit --cache-max-gb; {} otherwise. A crop of 8% of a
     73-px image is cut from about 20 pixels a side and blown up to 64; of a 360-px
     original, from 100."""
-    from paratrain.config.train import resize_for_crop
+    from paratrain.config.train import TrainConfig
 
     folder = _folder(values)
     found = median_short_side(folder) if folder else None
     if found is None or values.get("progressive"):
         return {}
-    size = values.get("train_crop") or values.get("image_size") or DEFAULT
+    without = TrainConfig(**{**values, "cache_side": None})  # the sizes as the run has them
+    size, kept = without.train_size, without.stored_size  # kept: what the cache holds anyway
     scale = values.get("crop_scale_min") or (SMALL_CROP if suggested_settings(values) else 0.08)
-    kept = max(  # what the cache keeps without it: validation's resize, or the crop's
-        values.get("val_resize") or resize_for_crop(values.get("val_crop") or size),
-        resize_for_crop(size),
-    )
     if found[0] < LARGE * kept:
         return {}  # the cache keeps most of what the originals hold
     side = min(found[0], math.ceil(size / math.sqrt(scale)))
