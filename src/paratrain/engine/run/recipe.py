@@ -449,8 +449,8 @@ def decide_ema(cfg: TrainConfig, train_images: int, replicas: int) -> TrainConfi
     keeps an average of the weights, and keeps none (0) where it does not; nor under
     --budget (a schedule fitted to the clock anneals fast at its end, where the average
     lagged the raw weights, at the low-res recipe's sizes and at the sizes as given:
-    docs/benchmarks.md), nor with several labels an image (the
-    decision threshold is chosen on the raw weights' scores); 0 and None: none."""
+    docs/benchmarks.md), nor with several labels an image (the decision threshold is
+    chosen on the raw weights' scores); 0 and None: none."""
     if cfg.ema_decay != "auto":
         return replace(cfg, ema_decay=float(cfg.ema_decay or 0.0))
     if not auto_keeps_average(cfg):
