@@ -114,7 +114,9 @@ def larger_cache(values: Mapping[str, Any]) -> dict[str, Any]:
         return {}
     without = TrainConfig(**{**values, "cache_side": None})  # the sizes as the run has them
     size, kept = without.train_size, without.stored_size  # kept: what the cache holds anyway
-    scale = values.get("crop_scale_min") or (SMALL_CROP if suggested_settings(values) else 0.08)
+    scale = values.get("crop_scale_min") or (
+        SMALL_CROP if suggested_settings(values) else without.crop_scale_min
+    )
     if found[0] < LARGE * kept:
         return {}  # the cache keeps most of what the originals hold
     side = min(found[0], math.ceil(size / math.sqrt(scale)))
