@@ -12,6 +12,8 @@ import torch
 from paratrain.bench import memory
 from paratrain.errors import UserError
 from paratrain.models.registry import create_model
+from paratrain.parallel.base import MemoryProfile
+from paratrain.parallel.partition import Traced, Unit
 
 
 @pytest.mark.parametrize(
@@ -62,7 +64,7 @@ def test_estimate_is_within_20_percent_of_the_measured_peak(model, precision):
     rows = memory.estimate(model_, size, batch, 1, slots=1, autocast=dtype)
     ddp = next(r for r in rows if r.strategy == "ddp")
     measured = _measured(model, size, batch, precision)
-    assert abs(ddp.total - measured) <= 0.2 * measured, (ddp.total, measured)
+    assert measured <= ddp.total <= 1.2 * measured, (ddp.total, measured)
     if dtype is not None:  # half-size activations: well below the fp32 estimate's
         fp32 = memory.estimate(model_, size, batch, 1, slots=1)
         assert ddp.activations < 0.8 * next(r for r in fp32 if r.strategy == "ddp").activations
@@ -82,8 +84,46 @@ def test_with_activation_checkpointing_the_estimate_falls_as_the_measured_peak_d
     assert [r.strategy for r in rows] == ["ddp", "fsdp"]
     ddp = rows[0]
     measured = _measured("resnet50", size, batch, checkpointed=True)
-    assert abs(ddp.total - measured) <= 0.2 * measured, (ddp.total, measured)
+    assert measured <= ddp.total <= 1.2 * measured, (ddp.total, measured)
     assert ddp.activations < 0.6 * next(r for r in plain if r.strategy == "ddp").activations
+
+
+def _profile_of(units: list[Unit], checkpointed: frozenset[str] = frozenset()) -> MemoryProfile:
+    traced = Traced(graph=None, units=units, profiled_batch=1)  # type: ignore[arg-type]
+    return MemoryProfile(None, traced, [0], 1, 1, 1, 1, checkpointed=checkpointed)  # type: ignore[arg-type]
+
+
+def test_what_autograd_holds_counts_a_shared_tensor_once_and_peaks_where_backward_recomputes():
+    """a keeps its output, which b keeps as its input: held once. Checkpointing b keeps
+    its input only until backward reaches b, whose recomputed activations then come
+    back on top of a's."""
+
+    def units() -> list[Unit]:
+        return [
+            Unit("a", [], activation_bytes=10, input_bytes=1, saves_output=True),
+            Unit("b", [], activation_bytes=8, input_bytes=4, saves_input=True),
+            Unit("c", [], activation_bytes=6, input_bytes=2),
+        ]
+
+    assert _profile_of(units()).saved == 10 + 8 - 4 + 6
+    assert _profile_of(units(), frozenset({"b"})).saved == 10 + 6  # at c: a's, b's input, c's
+    late = units()
+    late[2].activation_bytes = 1
+    assert _profile_of(late, frozenset({"b"})).saved == 10 + 8 - 4  # at b, recomputed
+    apart = units()
+    apart[0].saves_output = False  # b's input is not a's to keep: both count
+    assert _profile_of(apart).saved == 10 + 8 + 6
+    cast = units()  # autocast's weight copies: a checkpointed unit's made again, one at a time
+    for unit, copies in zip(cast, (3, 5, 7), strict=True):
+        unit.weight_copy_bytes = copies
+    assert _profile_of(cast).cast == 3 + 5 + 7
+    assert _profile_of(cast, frozenset({"b", "c"})).cast == 3 + 7
+
+
+def test_the_tensors_peak_is_measured_the_same_each_time():
+    """glibc's own leftovers would move the peak by a hundred MB between runs."""
+    peaks = [_measured("resnet18", 64, 8) for _ in range(3)]
+    assert max(peaks) - min(peaks) <= 0.02 * min(peaks), peaks
 
 
 def test_strategies_divide_memory_as_they_should():

@@ -42,12 +42,14 @@ class DeviceMemory:
     detail: str = ""
     teacher: int = 0  # --teacher's weights on this device (its forward saves nothing)
     average: int = 0  # the EMA weights' copy (--ema-decay), where the strategy keeps one
+    cast: int = 0  # autocast's half-size copies of the weights, kept from forward to backward
 
     @property
     def fixed(self) -> int:
         """Bytes per device whatever the batch: weights, gradients, optimizer state, the
-        teacher's and the average's weights."""
-        return self.parameters + self.gradients + self.optimizer + self.teacher + self.average
+        teacher's and the average's weights, autocast's copies."""
+        weights = self.parameters + self.teacher + self.average + self.cast
+        return weights + self.gradients + self.optimizer
 
     @property
     def total(self) -> int:
@@ -92,12 +94,35 @@ class MemoryProfile:
 
     @property
     def saved(self) -> float:
-        """Activations of the whole model at ``batch``. A checkpointed unit keeps its
-        input only, and backward holds one such unit's activations at a time again."""
-        kept = [u.input_bytes if u.name in self.checkpointed else u.activation_bytes
-                for u in self.units]  # fmt: skip
-        again = [u.activation_bytes for u in self.units if u.name in self.checkpointed]
-        return (sum(kept) + max(again, default=0)) * self.scale
+        """The most autograd holds at once, at ``batch``: backward goes through the
+        units last first, each giving back what it kept, so at unit k everything the
+        units before it keep is still held, with k's own activations (recomputed, where
+        k is checkpointed: such a unit keeps its input only). A tensor two units both
+        keep (one's output, the next's input) is counted once."""
+        held = peak = 0
+        before: Unit | None = None
+        for unit in self.units:
+            again = unit.name in self.checkpointed
+            kept = unit.input_bytes if again else unit.activation_bytes
+            keeps_output = (
+                before is not None and before.saves_output and before.name not in self.checkpointed
+            )
+            shared = unit.input_bytes if keeps_output and (again or unit.saves_input) else 0
+            own = unit.activation_bytes + (
+                unit.input_bytes if again and not unit.saves_input else 0
+            )
+            peak = max(peak, held + own - shared)
+            held += kept - shared
+            before = unit
+        return peak * self.scale
+
+    @property
+    def cast(self) -> int:
+        """Autocast's weight copies held at once: every unit's, but of the checkpointed
+        ones only the unit being recomputed."""
+        kept = [u.weight_copy_bytes for u in self.units if u.name not in self.checkpointed]
+        again = [u.weight_copy_bytes for u in self.units if u.name in self.checkpointed]
+        return sum(kept) + max(again, default=0)
 
     @property
     def workspace(self) -> float:
@@ -257,6 +282,7 @@ def whole_model_memory(name: str, profile: MemoryProfile, detail: str) -> Device
         profile.slots * profile.trainable,
         int(profile.saved + profile.workspace),
         detail,
+        cast=profile.cast,
     )
 
 
@@ -283,6 +309,7 @@ def staged_memory(name: str, profile: MemoryProfile, pipelined: bool) -> DeviceM
             profile.slots * weights,
             int(acts + space),
             f"stage {index} of {len(stages)} is the largest",
+            cast=sum(u.weight_copy_bytes for u in stage),
         )
         if worst is None or row.total > worst.total:
             worst = row

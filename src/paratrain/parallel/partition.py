@@ -36,19 +36,21 @@ def optimizer_slots(opt: str, momentum: float) -> int:
 
 def _forward_saving(stages, sample, cast, autocast, weights, shapes, saved):
     """Each stage's forward on the one before's output (its inputs, outputs and seconds);
-    into ``saved``, where given, the bytes each stage's autograd saves for backward."""
+    into ``saved``, where given, the bytes each stage's autograd saves for backward and
+    whether they hold the stage's input and its output."""
     inputs, outputs, forward = [], [], []
     x = sample
     for index, stage in enumerate(stages):
         x = x.detach().requires_grad_(x.is_floating_point() and index > 0)
         inputs.append(x)
         seen: dict[int, int] = {}
+        copies: dict[int, int] = {}
 
-        def pack(tensor: torch.Tensor, seen=seen) -> torch.Tensor:
+        def pack(tensor: torch.Tensor, seen=seen, copies=copies) -> torch.Tensor:
             storage = tensor.untyped_storage()
             if tensor.dtype == autocast and tuple(tensor.shape) in shapes:
-                return tensor  # a weight's autocast copy
-            if storage.data_ptr() not in weights:  # a weight's view (linear's t())
+                copies[storage.data_ptr()] = storage.nbytes()  # a weight's autocast copy
+            elif storage.data_ptr() not in weights:  # a weight's view (linear's t())
                 seen[storage.data_ptr()] = storage.nbytes()
             return tensor
 
@@ -58,8 +60,14 @@ def _forward_saving(stages, sample, cast, autocast, weights, shapes, saved):
         forward.append(time.perf_counter() - start)
         outputs.append(x)
         if saved is not None:
-            saved[index] = sum(seen.values())
+            ends = (inputs[-1], x)
+            ends_kept = (_storage(t) in seen for t in ends)
+            saved[index] = (sum(seen.values()), sum(copies.values()), *ends_kept)
     return inputs, outputs, forward
+
+
+def _storage(tensor: object) -> int | None:
+    return tensor.untyped_storage().data_ptr() if isinstance(tensor, torch.Tensor) else None
 
 
 def _backward_timed(stages, inputs, outputs, forward, timings) -> None:
@@ -89,6 +97,9 @@ class Unit:
     seconds: float = 0.0  # forward + backward, measured
     activation_bytes: int = 0  # saved for backward at the profiled batch size
     input_bytes: int = 0  # its input at the profiled batch size (all a checkpointed unit keeps)
+    weight_copy_bytes: int = 0  # autocast's half-size copies of its weights, kept for backward
+    saves_input: bool = False  # autograd keeps its input (the unit before's output) itself
+    saves_output: bool = False  # ... or its output (the unit after's input)
 
 
 @dataclass
@@ -314,14 +325,14 @@ def profile(
         for s in (tuple(p.shape), tuple(p.mT.shape) if p.dim() == 2 else ())
     }
     timings: list[list[float]] = [[] for _ in stages]
-    saved = [0] * len(stages)
+    saved: list[tuple[int, int, bool, bool]] = [(0, 0, False, False)] * len(stages)
     for attempt in range(repeats + 1):
         inputs, outputs, forward = _forward_saving(stages, sample, cast, autocast, weights, shapes,
                                                    saved if attempt == 0 else None)  # fmt: skip
         _backward_timed(stages, inputs, outputs, forward, timings if attempt > 0 else None)
-    for unit, seconds, nbytes, given in zip(traced.units, timings, saved, inputs, strict=True):
+    for unit, seconds, kept, given in zip(traced.units, timings, saved, inputs, strict=True):
         unit.seconds = statistics.median(seconds)
-        unit.activation_bytes = nbytes
+        unit.activation_bytes, unit.weight_copy_bytes, unit.saves_input, unit.saves_output = kept
         unit.input_bytes = given.numel() * given.element_size()
 
 
