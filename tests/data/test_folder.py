@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -109,3 +111,34 @@ def test_a_truncated_large_jpeg_is_found_though_checked_at_reduced_scale(tmp_pat
     data = path.read_bytes()
     path.write_bytes(data[: int(len(data) * keep)])
     assert "truncated" in image_problem(str(path))
+
+
+_HANG_UP = """
+import os, socket, sys, time
+from multiprocessing import resource_sharer
+from paratrain.data.folder import leave_stop_signals_to_the_rank
+if sys.argv[1] == "worker":
+    leave_stop_signals_to_the_rank()
+shared = resource_sharer.DupFd(os.open(os.devnull, os.O_RDONLY))  # as a batch's tensor is
+taker = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+taker.connect(resource_sharer._resource_sharer._address)
+time.sleep(0.3)  # the challenge is sent, unread: the rank is interrupted here
+taker.close()
+time.sleep(0.5)
+sys.excepthook(ValueError, ValueError("a worker's own error"), None)
+"""
+
+
+@pytest.mark.parametrize("role", ["worker", "plain"])
+def test_a_rank_breaking_off_a_batch_leaves_its_worker_quiet(role):
+    """Ctrl-C reaches a rank while it takes a batch's tensors from a loader worker:
+    the worker's resource-sharer thread used to print the broken connection's
+    traceback (seen on CI). As a worker is set up, it says nothing of it, and still
+    reports its own errors; without that set-up, the same hang-up prints one."""
+    done = subprocess.run(
+        [sys.executable, "-c", _HANG_UP, role], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    hung_up = "ConnectionResetError" in done.stderr or "EOFError" in done.stderr
+    assert hung_up == (role == "plain"), done.stderr
+    assert "a worker's own error" in done.stderr

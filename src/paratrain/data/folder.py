@@ -17,6 +17,7 @@ import io
 import os
 import re
 import signal
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -299,6 +300,20 @@ def leave_stop_signals_to_the_rank(_worker_id: int = 0) -> None:
     """A loader worker's worker_init_fn: SIGTERM, SIGUSR1 and SIGINT ignored. A
     cluster's preemption (scancel, timeout, --signal=USR1) and a terminal's Ctrl-C reach
     every process of the group; the rank acts on them (a step checkpoint, then exit),
-    and its workers must not die first and turn that into a DataLoader error."""
+    and its workers must not die first and turn that into a DataLoader error.
+
+    Nor print a traceback when the rank, interrupted, breaks off taking a batch: a
+    worker hands its tensors over through multiprocessing's resource sharer, whose
+    thread reports any error on the connection through ``sys.excepthook``. A reset or
+    closed connection there means the rank went away; the rank says why."""
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
+    sys.excepthook = _quiet_when_the_rank_hangs_up(sys.excepthook)
+
+
+def _quiet_when_the_rank_hangs_up(report: Callable[..., Any]) -> Callable[..., None]:
+    def hook(kind: type[BaseException], value: BaseException, trace: Any) -> None:
+        if not issubclass(kind, ConnectionError | EOFError):
+            report(kind, value, trace)
+
+    return hook
