@@ -3,7 +3,8 @@
 * ``memory``: activation checkpointing (--activation-checkpointing: each repeated block
   keeps its input only) against none. Printed per model: the peak memory a training
   step adds above the memory before it (a high-water mark: on a CPU VmHWM, reset
-  through /proc/self/clear_refs; on CUDA torch.cuda.max_memory_allocated, reset), what
+  through /proc/self/clear_refs, with glibc's mmap threshold held so that freed tensors
+  leave; on CUDA torch.cuda.max_memory_allocated, reset), what
   `paratrain plan` estimates a step adds (its activations plus the gradients, which
   the step allocates again), and the step's median time; the ratios checkpointed /
   plain. At --batch and at 2x --batch, so the growth with the batch shows.
@@ -47,12 +48,14 @@ def _case(name: str, size: int, batch: int, how: str, steps: int, device: str, b
     import contextlib
     import ctypes
 
-    from paratrain.bench.memory import _status_bytes
+    from paratrain.bench.memory import _status_bytes, tensors_unmapped_when_freed
     from paratrain.parallel import regions
 
     torch.set_num_threads(2)
     torch.manual_seed(0)
     cuda = device == "cuda"
+    if not cuda:
+        tensors_unmapped_when_freed()  # the tensors' peak, not malloc's leftovers
     model = _model(name, size).to(device)
     blocks = regions.repeated_blocks(model)
     if how == "checkpointed":
@@ -78,6 +81,7 @@ def _case(name: str, size: int, batch: int, how: str, steps: int, device: str, b
     start = time.perf_counter()
     step()  # the optimizer's state exists from here on (and, compiled, the graphs)
     first = time.perf_counter() - start
+    optimizer.zero_grad(set_to_none=True)  # before: weights and optimizer state, no gradients
     if cuda:
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()

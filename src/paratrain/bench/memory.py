@@ -16,7 +16,7 @@ stage's weights and that stage's activations.
 
 Measured, to check it: :func:`peak_rss` reads the process's peak resident memory
 (VmHWM) around a training step, reset first through /proc/self/clear_refs, with glibc's
-malloc made to give every freed tensor back at once (:func:`_tensors_unmapped_when_freed`),
+malloc made to give every freed tensor back at once (:func:`tensors_unmapped_when_freed`),
 so that the peak is the tensors' own and not the allocator's leftovers.
 """
 
@@ -193,7 +193,7 @@ def peak_rss(run: Callable[[], object]) -> int | None:
     return None if before is None or peak is None else peak - before
 
 
-def _tensors_unmapped_when_freed() -> None:
+def tensors_unmapped_when_freed() -> None:
     """glibc's malloc maps every block of 128 KiB or more on its own and unmaps it when
     freed. By default that threshold rises as such blocks are freed, after which
     tensors land in the heap, whose freed space stays resident: ResNet-50's checkpointed
@@ -226,7 +226,7 @@ def measure_training_peak(
     may be reused and go uncounted."""
     import contextlib
 
-    _tensors_unmapped_when_freed()
+    tensors_unmapped_when_freed()
 
     dtype = AUTOCAST.get(precision)
 
