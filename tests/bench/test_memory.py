@@ -76,14 +76,16 @@ def test_estimate_is_within_20_percent_of_the_measured_peak(model, precision):
 def test_with_activation_checkpointing_the_estimate_falls_as_the_measured_peak_does():
     """ResNet-50 at 128 px, batch 16: the estimate under --activation-checkpointing
     within 20% of the peak measured so, well below the estimate without it; only the
-    strategies that take checkpointing are offered."""
+    strategies that take checkpointing are offered. The peak is the same in two fresh
+    processes (with glibc's default mmap threshold it read 614 to 766 MB, against 489)."""
     size, batch = 128, 16
     model_ = create_model("resnet50", 10, size)
     plain = memory.estimate(model_, size, batch, 2, slots=1)
     rows = memory.estimate(model_, size, batch, 2, slots=1, checkpointed=True)
     assert [r.strategy for r in rows] == ["ddp", "fsdp"]
     ddp = rows[0]
-    measured = _measured("resnet50", size, batch, checkpointed=True)
+    measured, again = (_measured("resnet50", size, batch, checkpointed=True) for _ in range(2))
+    assert abs(measured - again) <= 0.01 * measured, (measured, again)  # malloc's leftovers
     assert measured <= ddp.total <= 1.2 * measured, (ddp.total, measured)
     assert ddp.activations < 0.6 * next(r for r in plain if r.strategy == "ddp").activations
 
@@ -118,12 +120,6 @@ def test_what_autograd_holds_counts_a_shared_tensor_once_and_peaks_where_backwar
         unit.weight_copy_bytes = copies
     assert _profile_of(cast).cast == 3 + 5 + 7
     assert _profile_of(cast, frozenset({"b", "c"})).cast == 3 + 7
-
-
-def test_the_tensors_peak_is_measured_the_same_each_time():
-    """glibc's own leftovers would move the peak by a hundred MB between runs."""
-    peaks = [_measured("resnet18", 64, 8) for _ in range(3)]
-    assert max(peaks) - min(peaks) <= 0.02 * min(peaks), peaks
 
 
 def test_strategies_divide_memory_as_they_should():
