@@ -3,6 +3,7 @@ upsampled to 224 (3x slower for nothing), and the run says so and how to overrid
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from imagefolders import make_image_folder
@@ -12,8 +13,6 @@ from paratrain.data import sizes
 
 
 def _folder(root: Path, size: tuple[int, int]) -> Path:
-    sizes.median_short_side.cache_clear()
-    sizes._image_count.cache_clear()
     return make_image_folder(root, classes=3, per_class=4, size=size)
 
 
@@ -26,6 +25,19 @@ def test_small_images_set_the_training_size_near_their_median_short_side(tmp_pat
     assert resolve_train({"data": str(tiny)}).image_size == 32
     large = _folder(tmp_path / "d300", (400, 300))  # larger than the default: 224
     assert resolve_train({"data": str(large)}).image_size == 224
+
+
+def test_a_process_that_trains_again_sees_the_images_added_since(tmp_path):
+    """The library's train() called twice in one process: the folder is read again
+    where it changed, not remembered by its path (it was, for the process's life)."""
+    data = _folder(tmp_path / "d", (80, 64))
+    assert resolve_train({"data": str(data)}).image_size == 64
+    assert sizes._image_count(str(data)) == 12
+    time.sleep(0.05)  # a later run: past the kernel's coarse tick for a folder's time
+    make_image_folder(data, classes=3, per_class=8, size=(180, 160), seed=1, ext=".png")
+    assert sizes._image_count(str(data)) == 36
+    assert sizes.median_short_side(str(data)) == (160, 36)  # 24 of the 36 are the larger
+    assert resolve_train({"data": str(data)}).image_size == 160
 
 
 def test_what_the_user_or_the_weights_say_wins(tmp_path):

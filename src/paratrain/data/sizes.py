@@ -39,10 +39,25 @@ def _class_folders(root: Path) -> list[Path]:
     return sorted(p for p in top.iterdir() if p.is_dir() and not is_junk(p.name))
 
 
-@functools.lru_cache(maxsize=16)
+def _state(folder: str) -> tuple[tuple[str, int], ...]:
+    """The class folders with their modification times, which an image added, removed
+    or renamed changes: what the answers below are remembered by, besides the path, so
+    that a process that trains twice sees the folder as it is (the time moves in the
+    kernel's coarse ticks, a few milliseconds)."""
+    try:
+        return tuple((p.name, p.stat().st_mtime_ns) for p in _class_folders(Path(folder)))
+    except OSError:
+        return ()
+
+
 def median_short_side(folder: str) -> tuple[int, int] | None:
     """(the median short side in pixels, how many headers were read) of up to
     ``SAMPLE`` images, the first few of each class by name; None where none reads."""
+    return _median_short_side(folder, _state(folder))
+
+
+@functools.lru_cache(maxsize=16)
+def _median_short_side(folder: str, _state: tuple) -> tuple[int, int] | None:
     try:
         classes = _class_folders(Path(folder))
     except OSError:
@@ -86,10 +101,14 @@ def suggested_settings(values: Mapping[str, Any]) -> dict[str, Any]:
     return {"image_size": size, "crop_scale_min": SMALL_CROP} if size < DEFAULT else {}
 
 
-@functools.lru_cache(maxsize=16)
 def _image_count(folder: str) -> int:
-    """The images in the folder's class folders, by name (nothing opened; once a run:
-    the rule is asked again for its first line)."""
+    """The images in the folder's class folders, by name (nothing opened; listed once
+    while the folder stays as it is: the rule is asked again for the run's first line)."""
+    return _counted(folder, _state(folder))
+
+
+@functools.lru_cache(maxsize=16)
+def _counted(folder: str, _state: tuple) -> int:
     count = 0
     for class_folder in _class_folders(Path(folder)):
         try:
