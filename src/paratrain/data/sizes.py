@@ -57,7 +57,7 @@ def median_short_side(folder: str) -> tuple[int, int] | None:
 
 
 @functools.lru_cache(maxsize=16)
-def _median_short_side(folder: str, _state: tuple) -> tuple[int, int] | None:
+def _median_short_side(folder: str, _times: tuple) -> tuple[int, int] | None:
     try:
         classes = _class_folders(Path(folder))
     except OSError:
@@ -108,7 +108,7 @@ def _image_count(folder: str) -> int:
 
 
 @functools.lru_cache(maxsize=16)
-def _counted(folder: str, _state: tuple) -> int:
+def _counted(folder: str, _times: tuple) -> int:
     count = 0
     for class_folder in _class_folders(Path(folder)):
         try:
