@@ -1,6 +1,6 @@
 """`paratrain plan`: memory per device for every strategy, which fit, which to use.
 
-The estimate, per device, for fp32 training:
+The estimate, per device (weights, gradients and optimizer state in fp32):
 
 - parameters P, gradients P, optimizer state k·P (SGD with momentum k = 1, AdamW k = 2);
 - under autocast, the half-size copies of the weights its forward makes and keeps for

@@ -100,20 +100,17 @@ class MemoryProfile:
         k is checkpointed: such a unit keeps its input only). A tensor two units both
         keep (one's output, the next's input) is counted once."""
         held = peak = 0
-        before: Unit | None = None
+        keeps_output = False  # the unit before keeps its output, this unit's input
         for unit in self.units:
             again = unit.name in self.checkpointed
             kept = unit.input_bytes if again else unit.activation_bytes
-            keeps_output = (
-                before is not None and before.saves_output and before.name not in self.checkpointed
-            )
             shared = unit.input_bytes if keeps_output and (again or unit.saves_input) else 0
             own = unit.activation_bytes + (
                 unit.input_bytes if again and not unit.saves_input else 0
             )
             peak = max(peak, held + own - shared)
             held += kept - shared
-            before = unit
+            keeps_output = unit.saves_output and not again
         return peak * self.scale
 
     @property
