@@ -21,6 +21,14 @@ def test_cosine_runs_from_the_peak_to_lrf():
     assert s.lr(2.5) == pytest.approx(0.2 * s.factor(2.5))  # within an epoch, per step
 
 
+def test_linear_falls_by_the_same_amount_every_epoch_after_its_warm_up_to_lrf():
+    s = Schedule(peak=0.2, epochs=10, kind="linear", lrf=0.0, warmup=2, warmup_start=0.01)
+    assert s.factor(2) == pytest.approx(1.0) and s.factor(10) == pytest.approx(0.0)
+    assert [s.factor(e) for e in (4, 6, 8)] == pytest.approx([0.75, 0.5, 0.25])
+    assert s.factor(12) == pytest.approx(0.0)  # a budget that overruns holds the end
+    assert Schedule(peak=1.0, epochs=4, kind="linear", lrf=0.2).factor(2) == pytest.approx(0.6)
+
+
 def test_warmup_ramps_linearly_from_its_start_then_the_main_schedule_begins():
     s = Schedule(peak=1.0, epochs=10, kind="cosine", lrf=0.0, warmup=2, warmup_start=0.01)
     assert s.factor(0) == pytest.approx(0.01)

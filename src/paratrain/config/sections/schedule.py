@@ -50,11 +50,12 @@ class ScheduleSettings:
     )
     sched: str = setting(
         "cosine",
-        "learning-rate schedule, updated every step: cosine to lr x lrf; step (x --lr-gamma "
+        "learning-rate schedule, updated every step: cosine to lr x lrf; linear to lr x lrf; "
+        "step (x --lr-gamma "
         "every --lr-step-size epochs); multistep (x --lr-gamma at each --lr-milestones epoch); "
         "constant",
         group="optimisation",
-        choices=("cosine", "step", "multistep", "constant"),
+        choices=("cosine", "linear", "step", "multistep", "constant"),
     )
     lr_step_size: int = setting(30, "step: epochs between decays", group="optimisation", low=1)
     lr_gamma: float = setting(

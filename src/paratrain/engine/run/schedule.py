@@ -1,5 +1,5 @@
-"""Learning-rate schedules, set every step: linear warm-up, then cosine, step, multistep
-or constant.
+"""Learning-rate schedules, set every step: linear warm-up, then cosine, linear, step,
+multistep or constant.
 
 The rate is a function of how far training is, in epochs (a float: finished epochs plus
 the share of this one's samples trained on), not of a step counter: a run resumed with
@@ -37,8 +37,8 @@ def lr_rule(cfg: TrainConfig, replicas: int) -> str:
 class Schedule:
     peak: float
     epochs: float  # a fraction where --budget ends the run inside an epoch
-    kind: str = "cosine"  # cosine, step, multistep, constant
-    lrf: float = 0.1  # cosine: where it ends, as a fraction of the peak
+    kind: str = "cosine"  # cosine, linear, step, multistep, constant
+    lrf: float = 0.1  # cosine, linear: where it ends, as a fraction of the peak
     warmup: float = 0.0  # epochs
     warmup_start: float = 0.01  # the warm-up's first rate, as a fraction of the peak
     step_size: int = 30  # step: epochs between decays
@@ -50,10 +50,11 @@ class Schedule:
         if t < self.warmup:
             return self.warmup_start + (1 - self.warmup_start) * t / self.warmup
         after = t - self.warmup
-        if self.kind == "cosine":
+        if self.kind in ("cosine", "linear"):
             span = max(self.epochs - self.warmup, 1e-9)
             x = min(max(after / span, 0.0), 1.0)
-            return self.lrf + (1 - self.lrf) * (1 + math.cos(math.pi * x)) / 2
+            left = (1 + math.cos(math.pi * x)) / 2 if self.kind == "cosine" else 1 - x
+            return self.lrf + (1 - self.lrf) * left
         if self.kind == "step":
             return self.gamma ** math.floor(after / self.step_size + 1e-9)
         if self.kind == "multistep":
@@ -128,11 +129,15 @@ def describe_schedule(cfg: TrainConfig, replicas: int) -> str:
         )
         warm = f", warm-up {length} from {peak * cfg.warmup_start:g}"
     scaled = f" ({lr_rule(cfg, replicas)})"
-    then = {
-        "cosine": f"cosine to {peak * cfg.lrf:g} by epoch {cfg.epochs}"
+    end = (
+        f"by epoch {cfg.epochs}"
         if not cfg.budget
-        else f"cosine to {peak * cfg.lrf:g} at the end of --budget {cfg.budget} (the "
-        "epochs that fit, measured in the first steps)",
+        else f"at the end of --budget {cfg.budget} (the epochs that fit, measured in the "
+        "first steps)"
+    )
+    then = {
+        "cosine": f"cosine to {peak * cfg.lrf:g} {end}",
+        "linear": f"linearly to {peak * cfg.lrf:g} {end}",
         "step": f"x {cfg.lr_gamma:g} every {cfg.lr_step_size} epoch(s)",
         "multistep": f"x {cfg.lr_gamma:g} at epochs {cfg.lr_milestones}",
         "constant": "constant",
