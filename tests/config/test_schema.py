@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import io
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -362,6 +363,9 @@ def test_the_start_line_gives_the_peak_rate_and_the_warm_up_apart():
         "peak lr 0.04 (--lr-base 0.01 x global batch 64 / 16), warm-up 2 epoch(s) from 0.0004, "
         "cosine to 0.004 by epoch 10"
     )
+    budgeted = describe_schedule(replace(cfg, sched="linear", lrf=0.0, budget="90s"), 4)
+    assert budgeted.endswith("linearly to 0 at the end of --budget 90s (the epochs that "
+                             "fit, measured in the first steps)")  # fmt: skip
 
 
 def test_paratrain_alone_lists_its_commands_and_version_prints():
