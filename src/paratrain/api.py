@@ -85,7 +85,7 @@ def _check(cfg: TrainConfig, env: DistEnv, checked: bool, dry_run: bool, say: Sa
     launches = env.source == "single" and not dry_run and cfg.nproc not in (1, "auto")
     model_here = not launches or cfg.has_auto()
     if env.is_main:  # a size taken from the data (the cache's too), and how to have another
-        for note in preset_notes(cfg, ("small images", "large images")):
+        for note in preset_notes(cfg, ("small images", "large images", "budget")):
             say(note)
     _told_once(env, lambda: preflight.preflight(cfg, world, model=model_here))
 

@@ -118,6 +118,7 @@ def _other(value):
         return round(value / 2, 6) if value else 0.25
     return {
         "resnet18": "resnet34",
+        "linear": "cosine",
         "bilinear": "bicubic",
         "bicubic": "bilinear",
         "0.485,0.456,0.406": "0.5,0.5,0.5",
@@ -139,6 +140,7 @@ def test_a_preset_fills_what_was_not_given_by_flag_or_by_file_alike(
         "weights": {"model": "resnet50", "weights": "IMAGENET1K_V2", "data": str(folder)},
         "small images": {"data": str(folder)},  # 40x30 images: trained at 32 px
         "large images": {"data": str(large_folder), "image_size": 32},  # cached at 114
+        "budget": {"data": str(folder), "budget": "90s"},
     }[preset.name]
     trigger_flags = [x for k, v in trigger.items() for x in (f"--{k.replace('_', '-')}", str(v))]
     left_out = _resolved(trigger_flags)

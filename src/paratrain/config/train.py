@@ -372,6 +372,15 @@ PRESETS = (
         {"lr_base": 0.016, "weight_decay": 0.05},  # 0.001 at batch 16
         "--opt adamw or lamb",
     ),
+    # A run given a wall-clock: the rate falls linearly to zero at its end, as budgeted
+    # training does best (Li, Yumer and Ramanan, ICLR 2020); measured on the suite's
+    # choose half, against cosine to a tenth (docs/benchmarks.md, the budget's schedule).
+    Preset(
+        "budget",
+        lambda v: bool(v.get("budget")),
+        {"sched": "linear", "lrf": 0.0},
+        "--budget: a schedule that falls to zero at its end",
+    ),
     # Pretrained weights were trained on images prepared one way: their mean and std,
     # resize, crop and interpolation (torchvision's weights.transforms(), timm's
     # pretrained_cfg) are what they expect to see.
