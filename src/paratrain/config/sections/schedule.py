@@ -28,8 +28,9 @@ class ScheduleSettings:
     budget: str | None = setting(
         None,
         "wall-clock to train in (90s, 15m, 2h, 1h30m), from the command's start: the "
-        "schedule is fitted to it from the measured step, evaluation and save times, and "
-        "the run ends on time with a last evaluation and checkpoint (--epochs: ignored)",
+        "schedule is fitted to it from the measured step, evaluation and save times, the "
+        "rate falling linearly to zero at its end (--sched linear --lrf 0 where not given), "
+        "and the run ends on time with a last evaluation and checkpoint (--epochs: ignored)",
         group="optimisation",
         pattern=DURATION,
         pattern_text="a duration such as 90s, 15m, 2h or 1h30m",
