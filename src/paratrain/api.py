@@ -75,7 +75,7 @@ def _check(cfg: TrainConfig, env: DistEnv, checked: bool, dry_run: bool, say: Sa
     """What a run can be found wrong about, checked once (engine/prerun/preflight.py). A
     launcher of workers leaves the model to them: they load its package anyway (an auto
     setting loads it here: it builds the model)."""
-    from paratrain.config import preset_notes
+    from paratrain.config import TOLD_BY_THE_CHECKS, preset_notes
     from paratrain.engine.prerun import preflight
 
     world = preflight.job_world(cfg, env)
@@ -85,7 +85,7 @@ def _check(cfg: TrainConfig, env: DistEnv, checked: bool, dry_run: bool, say: Sa
     launches = env.source == "single" and not dry_run and cfg.nproc not in (1, "auto")
     model_here = not launches or cfg.has_auto()
     if env.is_main:  # a size taken from the data (the cache's too), and how to have another
-        for note in preset_notes(cfg, ("small images", "large images", "budget")):
+        for note in preset_notes(cfg, TOLD_BY_THE_CHECKS):
             say(note)
     _told_once(env, lambda: preflight.preflight(cfg, world, model=model_here))
 

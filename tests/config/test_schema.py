@@ -356,6 +356,20 @@ def test_dry_run_checks_and_describes_without_running(folder, tmp_path, monkeypa
     assert not (tmp_path / "runs").exists() and not cache.exists()  # nothing written
 
 
+def test_the_budgets_schedule_is_told_once_with_or_without_data(folder, tmp_path, monkeypatch):
+    from paratrain.data.builtin import ensure_digits
+
+    monkeypatch.chdir(tmp_path)
+    ensure_digits(tmp_path)  # written: a dry run goes on to the checks
+    for data in ([], ["--data", str(folder)]):  # the embedded digits' line tells the rest
+        argv = ["train", *data, "--budget", "30s", "--dry-run", "--cache-dir", str(tmp_path)]
+        code, out, err = _run(argv)
+        assert code == 0, err
+        told = (out + err).count("--budget: a schedule that falls to zero at its end")
+        assert told == 1, out + err
+        assert "linearly to 0 at the end of --budget 30s" in out
+
+
 def test_the_start_line_gives_the_peak_rate_and_the_warm_up_apart():
     cfg = TrainConfig(
         lr_base=0.01, lr_base_size=16, batch_size=16, warmup_epochs=2, epochs=10, lrf=0.1
