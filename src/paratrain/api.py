@@ -71,11 +71,14 @@ def _train_worker(cfg: TrainConfig, env: DistEnv) -> dict:
     return train_worker(cfg, env)
 
 
-def _check(cfg: TrainConfig, env: DistEnv, checked: bool, dry_run: bool, say: Say) -> None:
+def _check(
+    cfg: TrainConfig, env: DistEnv, checked: bool, dry_run: bool, say: Say, embedded: bool
+) -> None:
     """What a run can be found wrong about, checked once (engine/prerun/preflight.py). A
     launcher of workers leaves the model to them: they load its package anyway (an auto
-    setting loads it here: it builds the model)."""
-    from paratrain.config import TOLD_BY_THE_CHECKS, preset_notes
+    setting loads it here: it builds the model). ``embedded``: the digits' own line has
+    told the presets."""
+    from paratrain.config import preset_notes
     from paratrain.engine.prerun import preflight
 
     world = preflight.job_world(cfg, env)
@@ -84,8 +87,9 @@ def _check(cfg: TrainConfig, env: DistEnv, checked: bool, dry_run: bool, say: Sa
         return
     launches = env.source == "single" and not dry_run and cfg.nproc not in (1, "auto")
     model_here = not launches or cfg.has_auto()
-    if env.is_main:  # a size taken from the data (the cache's too), and how to have another
-        for note in preset_notes(cfg, TOLD_BY_THE_CHECKS):
+    if env.is_main and not embedded:  # a size taken from the data (the cache's too), and
+        # how to have another; a budget's schedule
+        for note in preset_notes(cfg, ("small images", "large images", "budget")):
             say(note)
     _told_once(env, lambda: preflight.preflight(cfg, world, model=model_here))
 
@@ -104,11 +108,12 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, say: Say = print) -> dict 
     env = detect(os.environ)
     checked = preflight.already_checked()
     mark_start(reset=not checked and env.source == "single")  # a command of its own
-    if cfg.data is None:  # the embedded digits set: written once, or described unwritten
+    embedded = cfg.data is None
+    if embedded:  # the embedded digits set: written once, or described unwritten
         if (found := embedded_data(cfg, env, dry_run, say)) is None:
             return None
         cfg = found
-    _check(cfg, env, checked, dry_run, say)
+    _check(cfg, env, checked, dry_run, say, embedded)
     chosen: list[str] = []
     if cfg.has_auto():
         from paratrain.bench import autopilot

@@ -367,6 +367,7 @@ def test_the_budgets_schedule_is_told_once_with_or_without_data(folder, tmp_path
         assert code == 0, err
         told = (out + err).count("--budget: a schedule that falls to zero at its end")
         assert told == 1, out + err
+        assert ("images are small" in out + err) == bool(data), out + err  # not the digits
         assert "linearly to 0 at the end of --budget 30s" in out
 
 

@@ -26,7 +26,6 @@ from paratrain.config.commands import (
 from paratrain.config.schema import build, read_yaml, setting, settings, to_argv
 from paratrain.config.train import (
     PRESETS,
-    TOLD_BY_THE_CHECKS,
     TrainConfig,
     preset_notes,
     resolve_train,
@@ -37,7 +36,6 @@ __all__ = [
     "LINK_PRESETS",
     "PLAN_SETTINGS",
     "PRESETS",
-    "TOLD_BY_THE_CHECKS",
     "STEP_SETTINGS",
     "BenchOptions",
     "CheckOptions",

@@ -494,22 +494,13 @@ def migrate_settings(
     return migrated
 
 
-# The presets a run's checks tell (api._check), with and without --data; the embedded
-# digits' line tells the others
-TOLD_BY_THE_CHECKS = ("small images", "large images", "budget")
-
-
-def preset_notes(
-    cfg: TrainConfig, names: tuple[str, ...] | None = None, but: tuple[str, ...] = ()
-) -> list[str]:
-    """What each applicable preset (of ``names``, where given; not those in ``but``)
-    chose, as the config now has it."""
+def preset_notes(cfg: TrainConfig, names: tuple[str, ...] | None = None) -> list[str]:
+    """What each applicable preset (of ``names``, where given) chose, as the config now
+    has it."""
     values = cfg.to_dict()
     notes = []
     for p in PRESETS:
-        if (names is not None and p.name not in names) or p.name in but:
-            continue
-        if not p.applies(values):
+        if (names is not None and p.name not in names) or not p.applies(values):
             continue
         taken, kept = ([f"{k}={values[k]}" for k in keys] for keys in p.taken(values))
         note = f"{p.reason(values)}: " + (", ".join(taken) or "nothing taken")

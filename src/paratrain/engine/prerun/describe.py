@@ -206,7 +206,7 @@ def embedded_data(
     None is returned (nothing more to do)."""
     from dataclasses import replace
 
-    from paratrain.config import TOLD_BY_THE_CHECKS, preset_notes
+    from paratrain.config import preset_notes
     from paratrain.data.builtin import digits_dir, digits_ready, ensure_digits
     from paratrain.engine.prerun.preflight import (
         already_checked,
@@ -216,7 +216,7 @@ def embedded_data(
     )
 
     if env.is_main and not already_checked():
-        say("; ".join(preset_notes(cfg, but=TOLD_BY_THE_CHECKS)))
+        say("; ".join(preset_notes(cfg)))
     if dry and not digits_ready(cfg.cache_dir):
         if cfg.has_auto():
             say(
