@@ -52,9 +52,8 @@ class ScheduleSettings:
     sched: str = setting(
         "cosine",
         "learning-rate schedule, updated every step: cosine to lr x lrf; linear to lr x lrf; "
-        "step (x --lr-gamma "
-        "every --lr-step-size epochs); multistep (x --lr-gamma at each --lr-milestones epoch); "
-        "constant",
+        "step (x --lr-gamma every --lr-step-size epochs); multistep (x --lr-gamma at each "
+        "--lr-milestones epoch); constant",
         group="optimisation",
         choices=("cosine", "linear", "step", "multistep", "constant"),
     )
