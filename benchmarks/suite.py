@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _machine import machine  # noqa: E402
-from suite_sets import SETS, make_set  # noqa: E402
+from suite_sets import SETS, described, make_set  # noqa: E402
 from time_to_accuracy import first_reach  # noqa: E402
 from time_to_accuracy import launch as launch_once  # noqa: E402
 from vs_plain_loop import plain_command  # noqa: E402
@@ -77,12 +77,13 @@ def write_digits(root: Path) -> Path:
 def data_of(name: str, work: Path) -> Path:
     """The set's folder under ``work``, written once."""
     root, written = work / "data" / name, work / "data" / f"{name}.complete"
-    if not written.exists():
+    what = "the embedded digits" if name == "digits" else described(name)
+    if not written.exists() or written.read_text() != what:  # none yet, or the set changed
         import shutil
 
         shutil.rmtree(root, ignore_errors=True)
         write_digits(root) if name == "digits" else make_set(name, root)
-        written.write_text("")
+        written.write_text(what)
     return root
 
 
