@@ -75,7 +75,8 @@ def write_digits(root: Path) -> Path:
 
 
 def data_of(name: str, work: Path) -> Path:
-    """The set's folder under ``work``, written once."""
+    """The set's folder under ``work``, written once (again where the set has changed
+    since: its marker file names what it holds)."""
     root, written = work / "data" / name, work / "data" / f"{name}.complete"
     what = "the embedded digits" if name == "digits" else described(name)
     if not written.exists() or written.read_text() != what:  # none yet, or the set changed
