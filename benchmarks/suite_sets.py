@@ -197,11 +197,11 @@ def make_set(name: str, root: Path, images: int | None = None, part: int = 0, pa
     validation-only images after them) under ``root``: every ``parts``-th image from
     ``part`` on, so that processes can share the writing."""
     draw, classes, count, more_val = SETS[name]
-    total = images or count + more_val
-    for index in range(part, total, parts):
+    split = images or count  # those split 80/20; any after them only validate
+    for index in range(part, split + (0 if images else more_val), parts):
         rng = np.random.default_rng([seed, index])
         label = index % classes
-        _save(root, index, label, classes, draw(rng, label), val=index >= (images or count))
+        _save(root, index, label, classes, draw(rng, label), val=index >= split)
     return root
 
 
