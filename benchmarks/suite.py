@@ -226,10 +226,17 @@ def _geo(values: list[float]) -> float | None:
     return float(np.exp(np.mean(np.log(np.maximum(values, 1e-9))))) if values else None
 
 
+def _most(a: dict) -> bool:
+    """Whether an arm reached the plain loop's best on most of a set's seeds."""
+    ran, _, of = a["reached"].partition("/")
+    return int(ran) > int(of) / 2
+
+
 def _mean_row(rows: list[dict]) -> dict:
     """A half's means over its sets: accuracies over every set (arithmetic: a refused
-    run's 0 stays a 0), speed-ups geometric over the sets that reached (how many did), the sets whose equal-epoch gap ever exceeds
-    a seed's spread."""
+    run's 0 stays a 0), speed-ups geometric over the sets that reached on any seed, with
+    how many sets it reached on most seeds of (what the targets count), the sets whose
+    equal-epoch gap ever exceeds a seed's spread."""
     mean: dict = {"seeds": min(r["seeds"] for r in rows)}
     for arm in ARMS:
         had = [r[arm] for r in rows if arm in r]
@@ -240,7 +247,7 @@ def _mean_row(rows: list[dict]) -> dict:
             "best": float(np.mean([a["best"] for a in had])),
             "final": float(np.mean([a["final"] for a in had])),
             "speedup": _geo(speeds),
-            "reached": f"{len(speeds)}/{len(had)} sets",
+            "reached": f"most seeds on {sum(1 for a in had if _most(a))}/{len(had)} sets",
         }
     gapped = [r for r in rows if "gap" in r]
     behind = sum(1 for r in gapped if _behind(r))
@@ -332,8 +339,7 @@ def targets(rows: list[dict]) -> str:
     an equal epoch."""
 
     def fast(a: dict) -> bool:
-        ran, _, of = a["reached"].partition("/")
-        return (a["speedup"] or 0) >= 3 and int(ran) > int(of) / 2
+        return (a["speedup"] or 0) >= 3 and _most(a)
 
     third = sum(1 for r in rows if "third" in r and fast(r["third"]))
     finals = [
