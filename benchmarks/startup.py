@@ -8,6 +8,10 @@ alternating, the median of each:
 * paratrain — `paratrain train --nproc 2` as it comes: its launcher's checks (the data
               listed once, the run folder, the devices), the workers' (the model), the
               decoded-image cache, the start line;
+* fresh    — the same with PARATRAIN_FORK=0: its workers started as new interpreters,
+             each importing torch, torchvision and paratrain, where by default (on
+             Linux, without CUDA) they are forked from the launcher, which imported
+             them once;
 * budget   — the same with --budget (a minute): --budget-recipe auto times a few steps on
              synthetic batches, and looks at a few images at both sizes, before it starts.
 
@@ -106,6 +110,7 @@ def arms(data: Path, work: Path, run: int) -> dict[str, tuple[list[str], str, di
     return {
         "plain": (plain_command(data, SIZE, 2, 1, "--first-step"), '{"first_step"', {}),
         "paratrain": (paratrain, "first step", cache("defaults")),
+        "fresh": (paratrain, "first step", {**cache("fresh"), "PARATRAIN_FORK": "0"}),
         "budget": ([*paratrain, "--budget", "60s"], "first step", cache("budget")),
     }
 
@@ -117,17 +122,19 @@ def main() -> None:
     parser.add_argument("--root", type=Path, default=Path("/tmp/startup"))
     args = parser.parse_args()
     print(f"# {machine()}; 2 processes, ResNet-18 at {SIZE} px; median of {args.repeats}")
-    print("| images | plain | paratrain | ratio | with --budget | ratio |")
-    print("|---|---|---|---|---|---|")
+    print("| images | plain | paratrain | ratio | workers started afresh | ratio | "
+          "with --budget | ratio |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for count in (args.n, 8 * args.n):
         data = folder(args.root, count)
-        times: dict[str, list[float]] = {"plain": [], "paratrain": [], "budget": []}
+        times: dict[str, list[float]] = {"plain": [], "paratrain": [], "fresh": [], "budget": []}
         for run in range(args.repeats):
             for name, (command, marker, env) in arms(data, args.root, run).items():
                 times[name].append(until(command, marker, args.root, **env))
         m = {name: statistics.median(values) for name, values in times.items()}
         print(f"| {count} | {m['plain']:.2f} s | {m['paratrain']:.2f} s | "
-              f"{m['paratrain'] / m['plain']:.2f}x | {m['budget']:.2f} s | "
+              f"{m['paratrain'] / m['plain']:.2f}x | {m['fresh']:.2f} s | "
+              f"{m['fresh'] / m['plain']:.2f}x | {m['budget']:.2f} s | "
               f"{m['budget'] / m['plain']:.2f}x |", flush=True)  # fmt: skip
         print(
             json.dumps(

@@ -45,11 +45,24 @@ T = TypeVar("T")
 Say = Callable[[str], Any]
 
 
-def launch_or_run(nproc: int, argv: list[str], work: Callable[[DistEnv], T], **kw: Any) -> T | None:
-    """distributed/launch.launch_or_run, imported when a command runs (it loads torch)."""
-    from paratrain.distributed.launch import launch_or_run as run
+# The command line's entry, set by the `paratrain` command (cli.run): a launcher there may
+# fork its workers into it. Unset, as in a Python session, they start as new interpreters.
+fork_into: Callable[[list[str]], None] | None = None
 
-    return run(nproc, argv, work, **kw)
+
+def launch_or_run(nproc: int, argv: list[str], work: Callable[[DistEnv], T], **kw: Any) -> T | None:
+    """distributed/launch.launch_or_run, imported when a command runs (it loads torch).
+    Where its workers will be forked (``fork_into`` set, and launch.may_fork), what
+    every worker needs is imported here once, for all of them."""
+    from paratrain.distributed.launch import launch_or_run as run
+    from paratrain.distributed.launch import may_fork
+
+    forked = fork_into if nproc > 1 and detect(os.environ).source == "single" else None
+    if forked is not None and may_fork():
+        import torchvision  # noqa: F401
+
+        import paratrain.engine.trainer  # noqa: F401
+    return run(nproc, argv, work, fork_into=forked, **kw)
 
 
 def _told_once(env: DistEnv, check: Callable[[], T]) -> T:

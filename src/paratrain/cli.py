@@ -357,6 +357,39 @@ def one_line(message: str) -> str:
     return lines[0] if lines else message
 
 
+def forked_worker(argv: list[str]) -> None:
+    """A worker forked from the `paratrain` command's launcher (distributed/launch.py):
+    what `python -m paratrain <argv>` does in a new interpreter. A failure ends the
+    process at once with its code, as run() does; success returns to torch's launcher,
+    which waits for every worker's return.
+
+    Of forked workers torch's launcher reports one failure, the first it finds (where
+    it reports every worker started afresh): a worker that failed because another rank
+    went away (PEER_LOST) ends a while after it, so that the launcher finds and tells
+    the cause first."""
+    from paratrain.distributed.launch import MONITOR_S, PEER_LOST, as_forked_worker
+
+    as_forked_worker()
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    if code == PEER_LOST:
+        time.sleep(4 * MONITOR_S)
+    if code:
+        _exit_now(code)
+
+
+def _exit_now(code: int) -> None:
+    """The process's end without Python's teardown, once what it wrote is out."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def run() -> None:
     """The `paratrain` command and `python -m paratrain`: main(), then a prompt exit.
 
@@ -366,18 +399,15 @@ def run() -> None:
     it leaves its process group open on purpose (its peers must not report a lost
     connection before it reports the cause), and tearing that down during shutdown can
     abort with "terminate called without an active exception"."""
-    import logging
-
+    from paratrain import api
     from paratrain.log import mark_process_start
 
     mark_process_start()  # before anything else: its imports are the command's time too
+    api.fork_into = forked_worker  # this process is the command: its workers may be forked
     try:
         code = main()
     except SystemExit as exc:  # argparse, or a launcher passing on its workers' code
         if isinstance(exc.code, str):
             print(exc.code, file=sys.stderr)
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    _exit_now(code)

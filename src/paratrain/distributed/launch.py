@@ -18,6 +18,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 from paratrain.distributed.env import DistEnv, detect
@@ -33,11 +34,14 @@ CHECKED = "PARATRAIN_CHECKED"
 # launcher then reports the rank that failed first for a reason of its own.
 PEER_LOST = 10
 
+MONITOR_S = 0.5  # how often torch's launcher looks at its workers
+
 # what torch's launcher handles while it watches its workers (TORCHELASTIC_SIGNALS_TO_HANDLE):
 # its own four, and SIGUSR1, a cluster's preemption notice (srun --signal=USR1, scancel
 # --signal=USR1), whose default action would end the launcher at once and leave its
 # workers to a parent's death. Handled, each is passed on to the workers, which save.
 LAUNCHER_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
+FORK = "PARATRAIN_FORK"  # 0: workers start as new interpreters, never forked
 HANDLED = "TORCHELASTIC_SIGNALS_TO_HANDLE"  # where torch's launcher puts them, and leaves them
 _PEER_SIGNS = (
     "Connection closed by peer",
@@ -81,9 +85,15 @@ def check_port_free(port: int, host: str = "127.0.0.1") -> None:
 
 
 def launch(
-    nproc: int, argv: Sequence[str], max_restarts: int = 0, master_port: int | None = None
+    nproc: int,
+    argv: Sequence[str],
+    max_restarts: int = 0,
+    master_port: int | None = None,
+    fork_into: Callable[[list[str]], None] | None = None,
 ) -> int:
-    """Run ``python -m paratrain <argv>`` in ``nproc`` workers; return the exit code."""
+    """Run ``python -m paratrain <argv>`` in ``nproc`` workers; return the exit code.
+    ``fork_into``: what a worker forked from this process runs with ``argv`` in its
+    place (the command line's entry), where a fork is safe (``may_fork``)."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -98,7 +108,8 @@ def launch(
     else:
         rendezvous = ["--standalone"]  # c10d on a free port chosen by the OS
 
-    for name in ("torch.distributed.elastic", "torch.distributed.run"):
+    # torch's own notices of the agent's work (a fork's "Terminating process ..." too)
+    for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.multiprocessing"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     logs = tempfile.mkdtemp(prefix="paratrain-launch-")  # the agent, given none, leaves one
     args = torchrun.parse_args(
@@ -107,7 +118,7 @@ def launch(
             f"--log-dir={logs}",
             f"--nproc-per-node={nproc}",
             f"--max-restarts={max_restarts}",
-            "--monitor-interval=0.5",
+            f"--monitor-interval={MONITOR_S}",
             f"--signals-to-handle={','.join(LAUNCHER_SIGNALS)}",
             "--module",
             "paratrain",
@@ -117,28 +128,104 @@ def launch(
     args.training_script_args = list(argv)
     try:
         with launcher_scope(threads_per_process(nproc)):
-            torchrun.run(args)
+            if fork_into is not None and may_fork():
+                _run_forked(torchrun, args, list(argv), fork_into)
+            else:
+                torchrun.run(args)
     except SignalException as stopped:  # the launcher itself was told to stop
         return 128 + int(stopped.sigval)
     except ChildFailedError as failed:
-        rank, failure = root_cause(failed.failures)
-        restarts = f" (after {max_restarts} restart(s))" if max_restarts else ""
-        if failure.exitcode < 0:
-            print(
-                f"paratrain: error: rank {rank} was killed by signal {failure.signal_name()}"
-                f"{restarts}",
-                file=sys.stderr,
-            )
-            return 1
-        if restarts or failure.exitcode not in (2, 3) and failure.exitcode < 128:
-            print(
-                f"paratrain: error: rank {rank} failed with exit code {failure.exitcode}{restarts}",
-                file=sys.stderr,
-            )
-        return failure.exitcode or 1
+        return _failed(failed, max_restarts)
     finally:
         shutil.rmtree(logs, ignore_errors=True)
     return 0
+
+
+def _failed(failed: Any, max_restarts: int) -> int:
+    """The launcher's exit code when its workers failed (torch's ChildFailedError), the
+    failure that caused the others told where the worker did not tell it itself."""
+    rank, failure = root_cause(failed.failures)
+    restarts = f" (after {max_restarts} restart(s))" if max_restarts else ""
+    if failure.exitcode < 0:
+        print(
+            f"paratrain: error: rank {rank} was killed by signal {failure.signal_name()}{restarts}",
+            file=sys.stderr,
+        )
+        return 1
+    if restarts or failure.exitcode not in (2, 3) and failure.exitcode < 128:
+        print(
+            f"paratrain: error: rank {rank} failed with exit code {failure.exitcode}{restarts}",
+            file=sys.stderr,
+        )
+    return failure.exitcode or 1
+
+
+def may_fork() -> bool:
+    """Whether the workers may be forked from this process, as torch's launcher does for
+    a function (``start_method="fork"``), rather than started as new interpreters:
+    each then begins with torch, torchvision and paratrain imported (docs/speed.md:
+    the first step 2 s sooner, a worker's imports and exit not paid again). Only where
+    it is safe: Linux; no CUDA device (a driver set up here would be unusable in a
+    forked child: GPU workers always start afresh); and no thread pool made here
+    (OpenMP's, made by this process's first parallel torch operation, would hang a
+    forked child's first parallel loop): every thread here is Python's own or the
+    idle BLAS server that importing numpy starts (``_idle_blas``). PARATRAIN_FORK=0
+    turns it off."""
+    if not sys.platform.startswith("linux") or os.environ.get(FORK, "1") == "0":
+        return False
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    try:
+        native = {int(tid) for tid in os.listdir("/proc/self/task")}
+        python = {thread.native_id for thread in threading.enumerate()}
+        return all(_idle_blas(tid) for tid in native - python)
+    except (OSError, ValueError):
+        return False
+
+
+def _idle_blas(tid: int) -> bool:
+    """Whether thread ``tid`` of this process waits on a futex (Linux syscall 202) that
+    lies in OpenBLAS's memory (its library's mapping, or the anonymous one just after
+    it): numpy's BLAS server, which OpenBLAS itself makes safe across a fork."""
+    call = Path(f"/proc/self/task/{tid}/syscall").read_text().split()
+    if len(call) < 2 or call[0] != "202":
+        return False
+    address, owner = int(call[1], 16), ""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        low, high = (int(x, 16) for x in fields[0].split("-"))
+        named = fields[5] if len(fields) > 5 else ""
+        if low <= address < high:
+            return "openblas" in (named or owner).lower()
+        owner = named
+    return False
+
+
+def _run_forked(
+    torchrun: Any, args: Any, argv: list[str], fork_into: Callable[[list[str]], None]
+) -> None:
+    """torchrun.run(args), its workers forked into ``fork_into(argv)``."""
+    from torch.distributed.launcher.api import elastic_launch
+
+    if args.standalone:  # as torchrun.run: c10d on a free port
+        args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
+        args.rdzv_id = f"paratrain-{os.getpid()}"
+    config, _, _ = torchrun.config_from_args(args)
+    config.start_method = "fork"
+    elastic_launch(config=config, entrypoint=fork_into)(argv)
+
+
+def as_forked_worker() -> None:
+    """The start of a worker forked from its launcher, before the command runs: like
+    torch's own workers, a session of its own, and the signals' default handlers (not
+    the launcher's: torch's agent installs its own there)."""
+    os.setsid()
+    for name in LAUNCHER_SIGNALS:
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            signal.signal(sig, signal.default_int_handler if name == "SIGINT" else signal.SIG_DFL)
 
 
 @contextmanager
@@ -196,6 +283,7 @@ def launch_or_run(
     *,
     max_restarts: int = 0,
     master_port: int | None = None,
+    fork_into: Callable[[list[str]], None] | None = None,
 ) -> T | None:
     """``work(env)`` here when this process is the job's only one, or already one of a
     launched job's (torchrun, srun); else start ``nproc`` workers running ``paratrain
@@ -208,7 +296,7 @@ def launch_or_run(
         return work(env)
     os.environ[CHECKED] = "1"
     try:
-        code = launch(nproc, argv, max_restarts=max_restarts, master_port=master_port)
+        code = launch(nproc, argv, max_restarts, master_port, fork_into)
     finally:
         os.environ.pop(CHECKED, None)
     if code:

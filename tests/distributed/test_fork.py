@@ -1,0 +1,83 @@
+"""Workers forked from the launcher (distributed/launch.may_fork): only from a process
+where that is safe, and they train as workers started afresh do."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from trainruns import assert_bitwise_equal, env_for, job, last_weights, run, small_data
+
+
+def _in_a_fresh_process(code: str, **env: str) -> str:
+    environ = {k: v for k, v in os.environ.items() if k != "PARATRAIN_FORK"}
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env={**environ, **env},
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()[-1]
+
+
+def test_a_process_that_only_imported_torch_may_fork_and_one_with_a_thread_pool_may_not():
+    """After importing torch (and numpy's BLAS server with it) a fork is safe; after a
+    parallel torch operation (OpenMP's pool made: a forked child would hang in its
+    first parallel loop) it is not; PARATRAIN_FORK=0 turns it off."""
+    probe = """
+        import numpy, torch
+        from paratrain.distributed.launch import may_fork
+        before = may_fork()
+        torch.set_num_threads(2)
+        x = torch.randn(1000, 1000)
+        (x @ x).sum()
+        print(f"{before},{may_fork()}")
+    """
+    assert _in_a_fresh_process(probe) == "True,False"
+    assert _in_a_fresh_process(probe, PARATRAIN_FORK="0") == "False,False"
+
+
+@pytest.mark.slow
+def test_forked_workers_train_bit_for_bit_as_workers_started_afresh(tmp_path):
+    """The same two-process job, its workers forked (the launcher's fork path taken, as a
+    spy on it records) and started as new interpreters (PARATRAIN_FORK=0): the same
+    weights to the bit."""
+    root, folder = small_data(tmp_path)
+    fresh, _ = run(root, *job(folder, "fresh", "--deterministic"), PARATRAIN_FORK="0")
+    assert fresh.returncode == 0, fresh.stderr
+    spy = f"""
+        import sys
+        import paratrain.distributed.launch as launch
+        from paratrain.cli import run
+        forked = launch._run_forked
+
+        def taken(*args):
+            print("forked", flush=True)
+            return forked(*args)
+
+        launch._run_forked = taken
+        sys.argv = ["paratrain", "train", *{job(folder, "forked", "--deterministic")!r}]
+        run()
+    """
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(spy)],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env=_env(root),
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "forked" in done.stdout.splitlines(), done.stdout[-2000:]
+    assert_bitwise_equal(last_weights(root, "forked"), last_weights(root, "fresh"))
+
+
+def _env(root: Path) -> dict[str, str]:
+    return {k: v for k, v in env_for(root).items() if k != "PARATRAIN_FORK"}
