@@ -163,8 +163,9 @@ def _failed(failed: Any, max_restarts: int) -> int:
 def may_fork() -> bool:
     """Whether the workers may be forked from this process, as torch's launcher does for
     a function (``start_method="fork"``), rather than started as new interpreters:
-    each then begins with torch, torchvision and paratrain imported (docs/speed.md:
-    the first step 2 s sooner, a worker's imports and exit not paid again). Only where
+    each then begins with torch, torchvision and paratrain imported (docs/benchmarks.md:
+    the first step 1.3 to 1.6 s sooner on 2 cores; a worker's imports and exit not paid
+    again). Only where
     it is safe: Linux; no CUDA device (a driver set up here would be unusable in a
     forked child: GPU workers always start afresh); and no thread pool made here
     (OpenMP's, made by this process's first parallel torch operation, would hang a
