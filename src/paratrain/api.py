@@ -51,18 +51,20 @@ fork_into: Callable[[list[str]], None] | None = None
 
 
 def launch_or_run(nproc: int, argv: list[str], work: Callable[[DistEnv], T], **kw: Any) -> T | None:
-    """distributed/launch.launch_or_run, imported when a command runs (it loads torch).
-    Where its workers will be forked (``fork_into`` set, and launch.may_fork), what
-    every worker needs is imported here once, for all of them."""
+    """distributed/launch.launch_or_run, imported when a command runs (it loads torch);
+    its workers forked into ``fork_into`` where that is set (and safe)."""
+    from paratrain.distributed.launch import Fork
     from paratrain.distributed.launch import launch_or_run as run
-    from paratrain.distributed.launch import may_fork
 
-    forked = fork_into if nproc > 1 and detect(os.environ).source == "single" else None
-    if forked is not None and may_fork():
-        import torchvision  # noqa: F401
+    fork = Fork(fork_into, _worker_imports) if fork_into is not None else None
+    return run(nproc, argv, work, fork=fork, **kw)
 
-        import paratrain.engine.trainer  # noqa: F401
-    return run(nproc, argv, work, fork_into=forked, **kw)
+
+def _worker_imports() -> None:
+    """What every worker needs, imported in a launcher that forks them: once for all."""
+    import torchvision  # noqa: F401
+
+    import paratrain.engine.trainer  # noqa: F401
 
 
 def _told_once(env: DistEnv, check: Callable[[], T]) -> T:

@@ -373,11 +373,16 @@ def forked_worker(argv: list[str]) -> None:
     try:
         code = main(argv)
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        code = _code_of(exc)
     if code == PEER_LOST:
         time.sleep(4 * MONITOR_S)
     if code:
         _exit_now(code)
+
+
+def _code_of(exc: SystemExit) -> int:
+    """A SystemExit's exit code (a message's: 1, none: 0)."""
+    return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
 
 
 def _exit_now(code: int) -> None:
@@ -409,5 +414,5 @@ def run() -> None:
     except SystemExit as exc:  # argparse, or a launcher passing on its workers' code
         if isinstance(exc.code, str):
             print(exc.code, file=sys.stderr)
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        code = _code_of(exc)
     _exit_now(code)

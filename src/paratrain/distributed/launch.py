@@ -18,6 +18,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -89,11 +90,11 @@ def launch(
     argv: Sequence[str],
     max_restarts: int = 0,
     master_port: int | None = None,
-    fork_into: Callable[[list[str]], None] | None = None,
+    fork: Fork | None = None,
 ) -> int:
     """Run ``python -m paratrain <argv>`` in ``nproc`` workers; return the exit code.
-    ``fork_into``: what a worker forked from this process runs with ``argv`` in its
-    place (the command line's entry), where a fork is safe (``may_fork``)."""
+    ``fork``: the workers forked from this process into its entry, where that is safe
+    (``may_fork``)."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -128,8 +129,9 @@ def launch(
     args.training_script_args = list(argv)
     try:
         with launcher_scope(threads_per_process(nproc)):
-            if fork_into is not None and may_fork():
-                _run_forked(torchrun, args, list(argv), fork_into)
+            if fork is not None and may_fork():
+                fork.preload()
+                _run_forked(torchrun, args, list(argv), fork.entry)
             else:
                 torchrun.run(args)
     except SignalException as stopped:  # the launcher itself was told to stop
@@ -181,20 +183,22 @@ def may_fork() -> bool:
     try:
         native = {int(tid) for tid in os.listdir("/proc/self/task")}
         python = {thread.native_id for thread in threading.enumerate()}
-        return all(_idle_blas(tid) for tid in native - python)
+        maps = Path("/proc/self/maps").read_text().splitlines()
+        return all(_idle_blas(tid, maps) for tid in native - python)
     except (OSError, ValueError):
         return False
 
 
-def _idle_blas(tid: int) -> bool:
+def _idle_blas(tid: int, maps: list[str]) -> bool:
     """Whether thread ``tid`` of this process waits on a futex (Linux syscall 202) that
     lies in OpenBLAS's memory (its library's mapping, or the anonymous one just after
-    it): numpy's BLAS server, which OpenBLAS itself makes safe across a fork."""
+    it, among the lines of /proc/self/maps): numpy's BLAS server, which OpenBLAS itself
+    makes safe across a fork."""
     call = Path(f"/proc/self/task/{tid}/syscall").read_text().split()
     if len(call) < 2 or call[0] != "202":
         return False
     address, owner = int(call[1], 16), ""
-    for line in Path("/proc/self/maps").read_text().splitlines():
+    for line in maps:
         fields = line.split()
         low, high = (int(x, 16) for x in fields[0].split("-"))
         named = fields[5] if len(fields) > 5 else ""
@@ -202,6 +206,16 @@ def _idle_blas(tid: int) -> bool:
             return "openblas" in (named or owner).lower()
         owner = named
     return False
+
+
+@dataclass(frozen=True)
+class Fork:
+    """How a launcher forks its workers: the entry each runs with the command's
+    arguments (the command line's: cli.forked_worker), and what they all need, imported
+    once here before the fork."""
+
+    entry: Callable[[list[str]], None]
+    preload: Callable[[], None]
 
 
 def _run_forked(
@@ -284,7 +298,7 @@ def launch_or_run(
     *,
     max_restarts: int = 0,
     master_port: int | None = None,
-    fork_into: Callable[[list[str]], None] | None = None,
+    fork: Fork | None = None,
 ) -> T | None:
     """``work(env)`` here when this process is the job's only one, or already one of a
     launched job's (torchrun, srun); else start ``nproc`` workers running ``paratrain
@@ -297,7 +311,7 @@ def launch_or_run(
         return work(env)
     os.environ[CHECKED] = "1"
     try:
-        code = launch(nproc, argv, max_restarts, master_port, fork_into)
+        code = launch(nproc, argv, max_restarts, master_port, fork)
     finally:
         os.environ.pop(CHECKED, None)
     if code:
