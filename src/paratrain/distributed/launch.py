@@ -167,12 +167,11 @@ def may_fork() -> bool:
     a function (``start_method="fork"``), rather than started as new interpreters:
     each then begins with torch, torchvision and paratrain imported (docs/benchmarks.md:
     the first step 1.3 to 1.6 s sooner on 2 cores; a worker's imports and exit not paid
-    again). Only where
-    it is safe: Linux; no CUDA device (a driver set up here would be unusable in a
-    forked child: GPU workers always start afresh); and no thread pool made here
-    (OpenMP's, made by this process's first parallel torch operation, would hang a
-    forked child's first parallel loop): every thread here is Python's own or the
-    idle BLAS server that importing numpy starts (``_idle_blas``). PARATRAIN_FORK=0
+    again). Only where it is safe: Linux; no CUDA device (a driver set up here would be
+    unusable in a forked child: GPU workers always start afresh); and no thread pool
+    made here (OpenMP's, made by this process's first parallel torch operation, would
+    hang a forked child's first parallel loop): every thread here is Python's own or
+    the idle BLAS server that importing numpy starts (``_idle_blas``). PARATRAIN_FORK=0
     turns it off."""
     if not sys.platform.startswith("linux") or os.environ.get(FORK, "1") == "0":
         return False
@@ -219,9 +218,9 @@ class Fork:
 
 
 def _run_forked(
-    torchrun: Any, args: Any, argv: list[str], fork_into: Callable[[list[str]], None]
+    torchrun: Any, args: Any, argv: list[str], entry: Callable[[list[str]], None]
 ) -> None:
-    """torchrun.run(args), its workers forked into ``fork_into(argv)``."""
+    """torchrun.run(args), its workers forked into ``entry(argv)``."""
     from torch.distributed.launcher.api import elastic_launch
 
     if args.standalone:  # as torchrun.run: c10d on a free port
@@ -229,7 +228,7 @@ def _run_forked(
         args.rdzv_id = f"paratrain-{os.getpid()}"
     config, _, _ = torchrun.config_from_args(args)
     config.start_method = "fork"
-    elastic_launch(config=config, entrypoint=fork_into)(argv)
+    elastic_launch(config=config, entrypoint=entry)(argv)
 
 
 def as_forked_worker() -> None:
