@@ -5,14 +5,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
+from torch import nn
 
 from paratrain.bench import memory
 from paratrain.errors import UserError
 from paratrain.models.registry import create_model
-from paratrain.parallel.base import MemoryProfile
+from paratrain.parallel.base import MemoryProfile, whole_model_memory
 from paratrain.parallel.partition import Traced, Unit
 
 
@@ -61,9 +63,9 @@ def test_estimate_is_within_20_percent_of_the_measured_peak(model, precision):
     size, batch = 64, 16
     dtype = memory.AUTOCAST.get(precision)
     model_ = create_model(model, 10, size)
-    rows = memory.estimate(model_, size, batch, 1, slots=1, autocast=dtype)
+    rows = memory.estimate(model_, size, batch, 1, slots=1, autocast=dtype, threads=2)
     ddp = next(r for r in rows if r.strategy == "ddp")
-    measured = _measured(model, size, batch, precision)
+    measured = _measured(model, size, batch, precision)  # at 2 threads
     assert measured <= ddp.total <= 1.2 * measured, (ddp.total, measured)
     if dtype is not None:  # half-size activations: well below the fp32 estimate's
         fp32 = memory.estimate(model_, size, batch, 1, slots=1)
@@ -80,8 +82,8 @@ def test_with_activation_checkpointing_the_estimate_falls_as_the_measured_peak_d
     processes (with glibc's default mmap threshold it read 614 to 766 MB, against 489)."""
     size, batch = 128, 16
     model_ = create_model("resnet50", 10, size)
-    plain = memory.estimate(model_, size, batch, 2, slots=1)
-    rows = memory.estimate(model_, size, batch, 2, slots=1, checkpointed=True)
+    plain = memory.estimate(model_, size, batch, 2, slots=1, threads=2)
+    rows = memory.estimate(model_, size, batch, 2, slots=1, checkpointed=True, threads=2)
     assert [r.strategy for r in rows] == ["ddp", "fsdp"]
     ddp = rows[0]
     measured, again = (_measured("resnet50", size, batch, checkpointed=True) for _ in range(2))
@@ -120,6 +122,38 @@ def test_what_autograd_holds_counts_a_shared_tensor_once_and_peaks_where_backwar
         unit.weight_copy_bytes = copies
     assert _profile_of(cast).cast == 3 + 5 + 7
     assert _profile_of(cast, frozenset({"b", "c"})).cast == 3 + 7
+
+
+def test_one_process_frees_its_gradients_and_makes_them_again_during_backward():
+    """One process (no DDP buckets): at unit k backward holds what the units up to k
+    keep and the gradients of k and the units after it, never all of both at once."""
+    net = nn.Linear(2, 3)  # 9 parameters: 36 bytes, cut as 20 + 12 + 4
+    units = [
+        Unit("a", [], activation_bytes=10, parameter_bytes=20),
+        Unit("b", [], activation_bytes=8, parameter_bytes=12),
+        Unit("c", [], activation_bytes=6, parameter_bytes=4),
+    ]
+    traced = Traced(graph=None, units=units, profiled_batch=1)  # type: ignore[arg-type]
+    one = MemoryProfile(net, traced, [0], 1, 1, 1, 1)
+    assert one.saved == 24  # all three at c
+    # at a: 10 held and all 36 made; at b 18 and 16; at c 24 and 4
+    assert one.freed_gradients == 36 + 24 - max(10 + 36, 18 + 16, 24 + 4)
+    several = whole_model_memory("ddp", replace(one, devices=2), "")
+    alone = whole_model_memory("ddp", one, "")
+    assert several.total - alone.total == one.freed_gradients == 14
+
+
+def test_a_cpu_backward_holds_a_reordered_weight_and_a_partial_gradient_per_extra_thread():
+    net = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 2))  # the largest weight: 20 elements
+    traced = Traced(graph=None, units=[Unit("a", [], activation_bytes=1)], profiled_batch=1)  # type: ignore[arg-type]
+    profile = MemoryProfile(net, traced, [0], 1, 1, 1, 1)
+    assert profile.scratch == 0  # a GPU
+    assert replace(profile, threads=1).scratch == 20 * 4
+    assert replace(profile, threads=2).scratch == 20 * (4 + 4)
+    assert replace(profile, threads=3, compute_bytes=2).scratch == 20 * (2 + 4 + 4)
+    assert whole_model_memory("ddp", replace(profile, threads=2), "").fixed > (
+        whole_model_memory("ddp", profile, "").fixed
+    )
 
 
 def test_strategies_divide_memory_as_they_should():

@@ -66,6 +66,7 @@ def estimate(
     teacher: nn.Module | None = None,
     checkpointed: bool = False,
     averaged: bool = False,
+    threads: int = 0,
 ) -> list[DeviceMemory]:
     """The most any one device needs, for each strategy at ``devices`` devices (each
     strategy's own estimate, parallel/<name>.py), fastest first; activations as saved
@@ -74,7 +75,8 @@ def estimate(
     only the strategies that take one. ``checkpointed`` (--activation-checkpointing):
     the repeated blocks keep their inputs only, and only the strategies that take it.
     ``averaged`` (--ema-decay, on by default): a copy of the weights and buffers on the
-    strategies that keep one."""
+    strategies that keep one. ``threads``: the CPU threads each process computes with,
+    on a CPU (0: on a GPU, where no CPU kernel's scratch is held)."""
     from paratrain.parallel.regions import repeated_blocks
 
     sample = partition.sample_images(image_size, PROFILE_BATCH)
@@ -84,7 +86,8 @@ def estimate(
     blocks = frozenset(name for name, _ in repeated_blocks(model)) if checkpointed else frozenset()
     profile = MemoryProfile(
         model, traced, starts, batch, PROFILE_BATCH, devices, slots, microbatches, schedule,
-        checkpointing=checkpointed, checkpointed=blocks & set(traced.names),
+        checkpointing=checkpointed, checkpointed=blocks & set(traced.names), threads=threads,
+        compute_bytes=torch.finfo(autocast).bits // 8 if autocast else 4,
     )  # fmt: skip
     rows = [row for name in STRATEGIES if (row := strategy_of(name).planned(profile)) is not None]
     if teacher is not None:
@@ -300,6 +303,7 @@ def this_machine(opts: PlanOptions) -> PlanOptions:
 def plan(cfg: TrainConfig, opts: PlanOptions) -> tuple[dict, str]:
     """`paratrain plan`: the estimate as a dict (--json) and as the table, for the model
     profiled once on the CPU."""
+    from paratrain.distributed.runtime import threads_per_process
     from paratrain.models.registry import create_model
 
     given = opts.device_memory is not None
@@ -322,6 +326,7 @@ def plan(cfg: TrainConfig, opts: PlanOptions) -> tuple[dict, str]:
         teacher=teacher_of(cfg, opts.classes),
         checkpointed=cfg.activation_checkpointing,
         averaged=wants_average(cfg),
+        threads=0 if torch.cuda.is_available() else threads_per_process(opts.devices),
     )
     choice, why = recommend(rows, limit, opts.devices)
     result = {

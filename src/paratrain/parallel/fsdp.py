@@ -201,6 +201,7 @@ class FSDP(Strategy):
             int(profile.saved + profile.workspace),
             f"1/{devices} of each tensor, plus the two largest blocks gathered whole "
             "(one computing, one prefetched)",
+            scratch=profile.scratch,
         )
 
     def build(
