@@ -8,7 +8,13 @@ The estimate, per device (weights, gradients and optimizer state in fp32):
 - activations: what autograd saves for backward, measured unit by unit in one step at a
   batch of 2 (partition.profile) and scaled linearly to the batch, at its most during
   backward (MemoryProfile.saved), plus the largest unit's activations again as
-  backward's workspace (the gradient flowing through it).
+  backward's workspace (the gradient flowing through it). One process alone (no DDP,
+  whose buckets hold the gradients all step) frees its gradients every step and makes
+  them again during backward, unit by unit as activations are given back: the peak
+  of the two together is less than their sum (MemoryProfile.freed_gradients);
+- on a CPU, the math library's scratch in a convolution's backward: the largest weight
+  reordered for the backward-data kernel, and a partial weight gradient for each
+  thread after the first (MemoryProfile.scratch).
 
 Each strategy divides these its own way (its ``memory``, parallel/<name>.py): the whole
 model on every device, 1/N of every tensor plus the blocks gathered for compute, or one

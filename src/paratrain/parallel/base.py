@@ -43,7 +43,7 @@ class DeviceMemory:
     teacher: int = 0  # --teacher's weights on this device (its forward saves nothing)
     average: int = 0  # the EMA weights' copy (--ema-decay), where the strategy keeps one
     cast: int = 0  # autocast's half-size copies of the weights, kept from forward to backward
-    scratch: int = 0  # the CPU math library's per-thread partial weight gradients
+    scratch: int = 0  # a CPU backward's reordered weight and per-thread partial gradients
 
     @property
     def fixed(self) -> int:
