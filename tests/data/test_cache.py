@@ -140,6 +140,41 @@ def test_crop_boxes_stay_inside_and_follow_scale_and_ratio():
                 assert math.log(3 / 4) - 0.2 <= math.log(w / h) <= math.log(4 / 3) + 0.2
 
 
+def test_a_shifted_crop_keeps_the_pixels_at_the_scale_validation_sees_them():
+    """--crop shifted: from an image stored at validation's short side (73 for 64), the
+    training size's own pixels at every place the crop can take, not resampled; from an
+    original twice that side, a square twice the size, resized down to the same scale,
+    and from a smaller one a smaller square, resized up."""
+    from dataclasses import replace
+
+    from paratrain.config import TrainConfig
+    from paratrain.data.transforms import Augment
+
+    cfg = TrainConfig(image_size=64, crop="shifted", hflip=0.0)
+    aug = Augment.of(cfg)
+    assert (aug.crop, aug.scale_side) == ("shifted", 73)
+    transform = TrainAugment(aug)
+    generator = torch.Generator().manual_seed(0)
+    image = torch.randint(0, 256, (3, 73, 90), dtype=torch.uint8, generator=generator)
+    places = set()
+    for _ in range(300):
+        top, left, h, w = transform.crop_box(73, 90, torch.rand(41, generator=generator).tolist())
+        assert (h, w) == (64, 64) and 0 <= top <= 9 and 0 <= left <= 26
+        places.add((top, left))
+    assert {t for t, _ in places} == set(range(10)) and len({x for _, x in places}) == 27
+    box = (5, 11, 64, 64)
+    out = transform.apply(image, box, flip=False)
+    own = image[:, 5:69, 11:75].float()
+    assert torch.equal(out, own.sub(transform.mean).mul(transform.inv_std))
+    assert transform.crop_box(146, 180, [0.5] * 41)[2:] == (128, 128)
+    assert transform.crop_box(40, 50, [0.5] * 41)[2:] == (35, 35)  # 64 * 40 / 73, upsampled
+    as_stored = TrainAugment(replace(aug, scale_side=0))
+    assert as_stored.crop_box(146, 180, [0.5] * 41)[2:] == (64, 64)
+    assert as_stored.crop_box(40, 50, [0.5] * 41)[2:] == (40, 40)  # smaller: its short side
+    resized = TrainAugment(replace(aug, crop="resized"))
+    assert resized.crop_box(73, 90, [0.0] * 41)[2:] != (64, 64)  # the default resamples
+
+
 def test_building_the_cache_is_the_screen_and_a_ready_cache_needs_none(tmp_path, monkeypatch):
     from paratrain.data.cache import base as cache_module
     from paratrain.data.scan import screen

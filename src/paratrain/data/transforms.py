@@ -54,6 +54,8 @@ class Augment:
     random_erase: float = 0.0
     mean: tuple[float, float, float] = IMAGENET_MEAN  # the normalisation (the weights')
     std: tuple[float, float, float] = IMAGENET_STD
+    crop: str = "resized"  # or "shifted": the training size cut out, not resized
+    scale_side: int = 0  # shifted: the short side validation sees images at (0: as stored)
 
     @classmethod
     def of(cls, cfg) -> Augment:
@@ -69,6 +71,8 @@ class Augment:
             cfg.random_erase,
             cfg.norm_mean,
             cfg.norm_std,
+            cfg.crop,
+            cfg.eval_resize,
         )
 
     def policy_transform(self) -> Callable | None:
@@ -101,9 +105,10 @@ def policy_seed(seed: int) -> int:
 
 
 class TrainAugment:
-    """RandomResizedCrop + horizontal flip + policy + normalisation + erasing on a uint8
-    CHW tensor: the one training augmentation, whether the pixels come decoded from the
-    file, from the decoded cache, or to the device (data/device_batches.py).
+    """RandomResizedCrop (or a shifted crop) + horizontal flip + policy + normalisation +
+    erasing on a uint8 CHW tensor: the one training augmentation, whether the pixels come
+    decoded from the file, from the decoded cache, or to the device
+    (data/device_batches.py).
 
     The same augmentation as the decode path's, written against torchvision's functional
     API: the transform classes' dispatch costs as much as the resize itself at this size.
@@ -112,6 +117,7 @@ class TrainAugment:
     def __init__(self, size: int | Augment, crop_scale_min: float = 0.08, hflip: float = 0.5):
         aug = size if isinstance(size, Augment) else Augment(size, crop_scale_min, hflip)
         self.size, self.scale, self.hflip = aug.size, (aug.crop_scale_min, 1.0), aug.hflip
+        self.shifted, self.scale_side = aug.crop == "shifted", aug.scale_side
         self.interpolation = INTERPOLATION[aug.interpolation]
         self.policy, self.eraser = aug.policy_transform(), aug.eraser()
         self.mean = torch.tensor(aug.mean).mul(255).view(3, 1, 1)
@@ -119,7 +125,20 @@ class TrainAugment:
 
     def crop_box(self, height: int, width: int, draws: list[float]) -> tuple[int, int, int, int]:
         """RandomResizedCrop's box (torchvision's algorithm: 10 tries, then the centre),
-        from random numbers drawn all at once."""
+        from random numbers drawn all at once; shifted: a square of the training size at
+        a random place, at the scale validation sees the image at (its short side
+        resized to ``scale_side``): from an image stored at that side, the training size's
+        own pixels, not resampled; the whole short side where the image is smaller."""
+        if self.shifted:
+            short = min(height, width)
+            side = round(self.size * short / self.scale_side) if self.scale_side else self.size
+            side = max(1, min(side, short))
+            return (
+                int(draws[2] * (height - side + 1)),
+                int(draws[3] * (width - side + 1)),
+                side,
+                side,
+            )
         area = height * width
         low, high = math.log(3 / 4), math.log(4 / 3)
         for attempt in range(10):

@@ -101,6 +101,14 @@ class DataSettings:
         high=1.0,
         low_open=True,
     )
+    crop: str = setting(
+        "resized",
+        "training crop: resized (RandomResizedCrop, --crop-scale-min) or shifted (a square "
+        "of the training size cut at a random place from the stored image, not resized, "
+        "as small-image recipes crop)",
+        group="data",
+        choices=("resized", "shifted"),
+    )
     hflip: float = setting(0.5, "horizontal flip probability", group="data", low=0.0, high=1.0)
     workers: int | None = setting(
         None,
