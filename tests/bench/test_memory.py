@@ -151,9 +151,10 @@ def test_a_cpu_backward_holds_a_reordered_weight_and_a_partial_gradient_per_extr
     assert replace(profile, threads=1).scratch == 20 * 4
     assert replace(profile, threads=2).scratch == 20 * (4 + 4)
     assert replace(profile, threads=3, compute_bytes=2).scratch == 20 * (2 + 4 + 4)
-    assert whole_model_memory("ddp", replace(profile, threads=2), "").fixed > (
-        whole_model_memory("ddp", profile, "").fixed
-    )
+    on_cpu = whole_model_memory("ddp", replace(profile, threads=2), "batch 1")
+    assert on_cpu.fixed - whole_model_memory("ddp", profile, "").fixed == 160
+    table = memory.format_plan([on_cpu], 2**30, 1, "ddp", "why", "heading")
+    assert "the CPU kernels' scratch 0 MiB" in table  # named, as it is in no column
 
 
 def test_strategies_divide_memory_as_they_should():

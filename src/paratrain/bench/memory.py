@@ -162,6 +162,7 @@ def format_plan(
         taught = f"; the teacher {_mib(r.teacher).strip()}" if r.teacher else ""
         taught += f"; the EMA weights {_mib(r.average).strip()}" if r.average else ""
         taught += f"; autocast's weight copies {_mib(r.cast).strip()}" if r.cast else ""
+        taught += f"; the CPU kernels' scratch {_mib(r.scratch).strip()}" if r.scratch else ""
         lines.append(
             f"{r.strategy:<9} {_mib(r.parameters)} {_mib(r.gradients)} {_mib(r.optimizer)} "
             f"{_mib(r.activations)} {_gib(r.total):>10}  {verdict}  ({r.detail}{taught})"
