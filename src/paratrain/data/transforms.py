@@ -128,7 +128,7 @@ class TrainAugment:
         from random numbers drawn all at once; shifted: a square of the training size at
         a random place, at the scale validation sees the image at (its short side
         resized to ``scale_side``): from an image stored at that side, the training size's
-        own pixels, not resampled; the whole short side where the image is smaller."""
+        own pixels, not resampled; never more than the image's short side."""
         if self.shifted:
             short = min(height, width)
             side = round(self.size * short / self.scale_side) if self.scale_side else self.size
