@@ -39,7 +39,7 @@ from paratrain.config import TrainConfig
 from paratrain.config.run_dirs import claim_new_name
 from paratrain.data.builtin import default_cache_dir
 from paratrain.distributed.env import DistEnv
-from paratrain.distributed.runtime import runs_on_cuda, threads_per_process, usable_cores
+from paratrain.distributed.runtime import runs_on_cuda, usable_cores
 from paratrain.engine.prerun.probe import sync
 from paratrain.engine.run.step import Stepper, train_step
 from paratrain.errors import UserError
@@ -254,7 +254,7 @@ def _estimate(cfg: TrainConfig, devices: int, batch: int | None = None) -> list:
         teacher=plan.teacher_of(cfg, 10),
         checkpointed=cfg.activation_checkpointing,
         averaged=plan.wants_average(cfg),
-        threads=0 if runs_on_cuda(cfg.device) else threads_per_process(devices),
+        threads=plan.cpu_threads(cfg, devices),
     )
 
 

@@ -117,6 +117,14 @@ def teacher_of(cfg: TrainConfig, classes: int) -> nn.Module | None:
         return create_model(cfg.teacher, classes, cfg.image_size)
 
 
+def cpu_threads(cfg: TrainConfig, devices: int) -> int:
+    """The threads each of ``devices`` processes computes with where the run is on CPUs
+    (the estimate's ``threads``); 0 where it is on GPUs."""
+    from paratrain.distributed.runtime import runs_on_cuda, threads_per_process
+
+    return 0 if runs_on_cuda(cfg.device) else threads_per_process(devices)
+
+
 def fits(row: DeviceMemory, device_memory: int, devices: int) -> bool:
     """Within the device's memory, and possible there (one device: a whole model)."""
     return row.total <= device_memory and devices >= strategy_of(row.strategy).min_devices
@@ -310,7 +318,6 @@ def this_machine(opts: PlanOptions) -> PlanOptions:
 def plan(cfg: TrainConfig, opts: PlanOptions) -> tuple[dict, str]:
     """`paratrain plan`: the estimate as a dict (--json) and as the table, for the model
     profiled once on the CPU."""
-    from paratrain.distributed.runtime import threads_per_process
     from paratrain.models.registry import create_model
 
     given = opts.device_memory is not None
@@ -333,7 +340,7 @@ def plan(cfg: TrainConfig, opts: PlanOptions) -> tuple[dict, str]:
         teacher=teacher_of(cfg, opts.classes),
         checkpointed=cfg.activation_checkpointing,
         averaged=wants_average(cfg),
-        threads=0 if torch.cuda.is_available() else threads_per_process(opts.devices),
+        threads=cpu_threads(cfg, opts.devices),
     )
     choice, why = recommend(rows, limit, opts.devices)
     result = {

@@ -128,14 +128,13 @@ class MemoryProfile:
         every step (one process: ``zero_grad(set_to_none=True)``, no DDP buckets): at
         unit k it holds what :meth:`_held` says and the gradients of k and the units
         after it, which backward has made; not yet those of the units before."""
-        after, made = 0, []
+        held = [h * self.scale for h in self._held()]  # walked once, for both terms
+        trainable, after, made = self.trainable, 0, []
         for unit in reversed(self.units):
             after += unit.parameter_bytes
-            made.append(min(after, self.trainable))  # frozen weights get none
-        peak = max(
-            held * self.scale + grads for held, grads in zip(self._held(), made[::-1], strict=True)
-        )
-        return self.trainable + self.saved - peak
+            made.append(min(after, trainable))  # frozen weights get none
+        peak = max(h + grads for h, grads in zip(held, made[::-1], strict=True))
+        return trainable + max(held, default=0) - peak
 
     @property
     def scratch(self) -> int:
