@@ -1,4 +1,7 @@
-from torch.utils.data import DistributedSampler
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
 
 from paratrain.data.samplers import ShardedEvalSampler, TrainSampler
 
@@ -53,3 +56,28 @@ def test_eval_shards_are_disjoint_and_unpadded():
     shards = [list(ShardedEvalSampler(1001, r, 4)) for r in range(4)]
     assert sorted(i for s in shards for i in s) == list(range(1001))
     assert [len(s) for s in shards] == [251, 250, 250, 250]
+    dealt = [len(ShardedEvalSampler(1001, r, 2, batch_size=16)) for r in range(2)]
+    assert dealt == [505, 496]  # 63 batches, the last of 9: 32 and 31 of them
+
+
+@given(
+    images=st.integers(0, 60),
+    world=st.integers(1, 5),
+    batch=st.integers(1, 9),
+)
+def test_eval_shards_deal_one_process_batches_whole(images, world, batch):
+    """Each rank's batches, as a loader of that batch size cuts them, are one process's
+    batches: the same images at the same rows, every batch once."""
+    one = [list(b) for b in BatchSampler(SequentialSampler(range(images)), batch, False)]
+    seen = []
+    for rank in range(world):
+        shard = ShardedEvalSampler(images, rank, world, batch_size=batch)
+        mine = [list(b) for b in BatchSampler(shard, batch, False)]
+        assert mine == one[rank::world]
+        seen += mine
+    assert sorted(seen) == one
+
+
+def test_eval_shards_refuse_an_empty_batch():
+    with pytest.raises(ValueError, match="batch_size must be at least 1, got 0"):
+        ShardedEvalSampler(10, 0, 2, batch_size=0)

@@ -1,7 +1,7 @@
 """Exact evaluation under every strategy, over generated (images, batch, world size)
 triples: each validation image is counted once, and the totals are one process's.
 
-Exact shards differ in size (17 images on 2 ranks: 9 and 8; 1 image on 3 ranks: 1, 0
+Exact shards differ in size (17 images in batches of 4 on 2 ranks: 9 and 8; 1 image on 3 ranks: 1, 0
 and 0), so ranks hold different numbers of batches. Under fsdp and hsdp a forward is
 itself a collective (each unit's parameters are all-gathered), so a rank with fewer
 batches must still take part in every forward the others make: before the fix, gloo
@@ -74,7 +74,7 @@ def _evaluate_all(rank, world, strategy: str, extra: dict, cases: list[tuple[int
             built[batch] = parallelize(build_model(cfg, CLASSES), cfg, runtime)
         parts = built[batch]
         dataset = _dataset(images)
-        sampler = ShardedEvalSampler(len(dataset), parts.replica, parts.replicas)
+        sampler = ShardedEvalSampler(len(dataset), parts.replica, parts.replicas, batch)
         loader = DataLoader(dataset, batch_size=batch, sampler=sampler)
         result = evaluate(parts, loader, torch.device("cpu"), CLASSES)
         correct = round(result.top1 * result.count) if result.count else 0

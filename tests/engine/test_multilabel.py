@@ -166,14 +166,25 @@ def _dataset(images: int) -> TensorDataset:
     return TensorDataset(x, y)
 
 
-def _evaluate(rank, world, images: int, batch: int):
+class _BatchMates(torch.nn.Module):
+    """Each image's scores moved by its batch-mates' mean: the whole batch shows in
+    every row, far above any rounding."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = x.flatten(1)[:, :CLASSES]
+        return scores + scores.mean(0, keepdim=True)
+
+
+def _evaluate(rank, world, images: int, batch: int, mates: bool = False):
     from paratrain.engine.inference.evaluate import evaluate
     from paratrain.models.registry import create_model
 
     torch.manual_seed(5)
-    model = create_model("resnet18", CLASSES)
+    model = _BatchMates() if mates else create_model("resnet18", CLASSES)
     dataset = _dataset(images)
-    loader = DataLoader(dataset, batch_size=batch, sampler=ShardedEvalSampler(images, rank, world))
+    loader = DataLoader(
+        dataset, batch_size=batch, sampler=ShardedEvalSampler(images, rank, world, batch)
+    )
     result = evaluate(model, loader, torch.device("cpu"), CLASSES, label_sets=_label_sets())
     return result.row(), result.per_class_ap(), result.outputs, result.count
 
@@ -182,12 +193,10 @@ def _evaluate(rank, world, images: int, batch: int):
 @pytest.mark.parametrize("world", [2, 3])
 def test_evaluation_is_identical_at_one_two_and_three_processes(world):
     """23 images in batches of 4 (shards of 12/11 at 2, 8/8/7 at 3): the probabilities,
-    gathered in dataset order, are one process's, and mAP, each class's AP, the
-    threshold and the F1s are to the bit. The probabilities to within a rounding: on a
-    CPU without AVX-512 (EPYC, family 25 model 1) oneDNN rounds an image differently
-    by its row in the batch (images 14 and 20 differed by 6e-8 at 2 processes), and a
-    shard's batches hold other images than one process's; an image out of place would
-    differ by far more (checked)."""
+    gathered in dataset order, are one process's to the bit, and so are mAP, each
+    class's AP, the threshold and the F1s. The shards are one process's batches dealt
+    whole: on a CPU without AVX-512 (EPYC, family 25 model 1) oneDNN rounds an image
+    by its row in the batch (6e-8 apart when shards were dealt image by image)."""
     from spawn import in_single_process, run_distributed
 
     reference = in_single_process(_evaluate, 23, 4)
@@ -196,7 +205,17 @@ def test_evaluation_is_identical_at_one_two_and_three_processes(world):
     assert aps[4] is None and row["val_threshold"] in THRESHOLDS
     for got in run_distributed(_evaluate, world, 23, 4):
         assert got[3] == 23
-        torch.testing.assert_close(got[2], outputs, rtol=0, atol=1e-6)
+        assert torch.equal(got[2], outputs)
         assert got[0] == row and got[1] == aps
-    swapped = outputs[[1, 0, *range(2, 23)]]  # two images out of place: caught
-    assert not torch.allclose(swapped, outputs, rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_each_image_meets_the_batch_mates_it_has_in_one_process():
+    """A model whose every output depends on the whole batch: 3 processes give one
+    process's outputs only if each image keeps its batch (23 images in batches of 4,
+    the short last one padded alike), which shards dealt image by image would not."""
+    from spawn import in_single_process, run_distributed
+
+    _, _, outputs, _ = in_single_process(_evaluate, 23, 4, True)
+    for got in run_distributed(_evaluate, 3, 23, 4, True):
+        assert torch.equal(got[2], outputs)

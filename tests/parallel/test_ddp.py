@@ -107,7 +107,7 @@ def _evaluate(rank, world, data_dir, weights_path, size=16, tta=False):
     model.load_state_dict(torch.load(weights_path))
     dataset = ImageSamples(split.val, eval_transform(size))
     loader = DataLoader(
-        dataset, batch_size=16, sampler=ShardedEvalSampler(len(dataset), rank, world)
+        dataset, batch_size=16, sampler=ShardedEvalSampler(len(dataset), rank, world, 16)
     )
     return evaluate(model, loader, torch.device("cpu"), len(split.classes), tta=tta).as_dict()
 

@@ -121,7 +121,7 @@ def _partitioned(rank, world, overrides: dict):
     opt_state = parts.optimizer_state_dict(optimizer)
     parts.load_state_dict(start)
     dataset = _eval_loader()
-    sampler = ShardedEvalSampler(len(dataset), parts.replica, parts.replicas)
+    sampler = ShardedEvalSampler(len(dataset), parts.replica, parts.replicas, BATCH)
     result = evaluate(
         parts, DataLoader(dataset, batch_size=BATCH, sampler=sampler), torch.device("cpu"), CLASSES
     )

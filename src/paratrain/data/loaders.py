@@ -401,7 +401,7 @@ def validation_loader(
         )
     return DataLoader(
         dataset,
-        sampler=ShardedEvalSampler(len(dataset), rank, world),
+        sampler=ShardedEvalSampler(len(dataset), rank, world, batch_size),
         batch_size=batch_size,
         num_workers=workers,
         pin_memory=pin,

@@ -265,14 +265,24 @@ def train_sampler(
 
 
 class ShardedEvalSampler(Sampler[int]):
-    """Every index exactly once across ranks: rank r takes r, r+W, r+2W, ...
+    """Every index exactly once across ranks, dealt as whole batches of one process's
+    order: the batches are [0, B), [B, 2B), ... and rank r takes batches r, r+W, r+2W,
+    ... So each image sits in the same batch, at the same row, beside the same images,
+    at every process count, and a math library that rounds a row by its place in the
+    batch rounds it the same way. ``batch_size`` must be the loader's.
 
-    Ranks may get different counts (1,001 images on 2 ranks: 501 and 500); evaluation
-    sums counts, so nothing is duplicated and nothing is dropped.
+    Ranks may get different counts (1,001 images in batches of 16 on 2 ranks: 32 and 31
+    batches, 505 and 496 images); evaluation sums counts, so nothing is duplicated and
+    nothing is dropped.
     """
 
-    def __init__(self, dataset_len: int, rank: int, world_size: int):
-        self.indices = list(range(rank, dataset_len, world_size))
+    def __init__(self, dataset_len: int, rank: int, world_size: int, batch_size: int = 1):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        batches = range(rank * batch_size, dataset_len, world_size * batch_size)
+        self.indices = [
+            i for start in batches for i in range(start, min(start + batch_size, dataset_len))
+        ]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.indices)
