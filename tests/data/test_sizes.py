@@ -53,11 +53,22 @@ def test_the_run_says_which_size_it_took_and_how_to_have_the_default(tmp_path, c
     first = capsys.readouterr().out.splitlines()[0]
     assert first == (
         "--data's images are small (64 px on the short side, the median of 12; "
-        "--image-size 224 trains at the default; crops keep at least 35% of an image): "
-        "image_size=64, crop_scale_min=0.35"
+        "--image-size 224 trains at the default; crops are squares of the training size "
+        "shifted at validation's scale, not resized; --crop resized keeps at least 35% of an "
+        "image): image_size=64, crop=shifted, crop_scale_min=0.35"
     )
     assert main(["train", "--data", str(data), "--image-size", "96", "--dry-run"]) == 0
     assert "(yours: image_size=96)" in capsys.readouterr().out.splitlines()[0]
+
+
+def test_small_images_get_shifted_crops_unless_the_user_sets_them(tmp_path):
+    """Crops at validation's scale, as small-image recipes cut them; --crop resized
+    still keeps them milder than ImageNet's, and a large folder keeps torchvision's."""
+    data = _folder(tmp_path / "d", (80, 64))
+    assert resolve_train({"data": str(data)}).crop == sizes.SMALL_CROP_KIND == "shifted"
+    assert resolve_train({"data": str(data), "crop": "resized"}).crop == "resized"
+    assert resolve_train({"data": str(data), "image_size": 48}).crop == "shifted"
+    assert resolve_train({"data": str(_folder(tmp_path / "big", (400, 300)))}).crop == "resized"
 
 
 def test_small_images_get_milder_crops_unless_the_user_sets_them(tmp_path):
@@ -99,6 +110,12 @@ def test_large_images_are_cached_large_enough_for_the_smallest_crop(tmp_path, ca
     assert wide.cache_side is None  # 68: validation's 73 keeps more
     small = _folder(tmp_path / "d64", (80, 64))
     assert resolve_train({"data": str(small)}).cache_side is None  # trains at its own size
+    shifted = resolve_train({"data": str(data), "image_size": 32, "crop": "shifted"})
+    assert shifted.cache_side is None  # crops at validation's scale: its 37 px hold them
+    mid = _folder(tmp_path / "d150", (200, 150))  # small (152 px), twice validation's 73
+    assert resolve_train({"data": str(mid), "image_size": 64}).cache_side is None  # shifted
+    resized = {"data": str(mid), "image_size": 64, "crop": "resized"}
+    assert resolve_train(resized).cache_side == 109  # 64 / the root of 0.35, rounded up
     assert main(["train", "--data", str(data), "--image-size", "32", "--dry-run"]) == 0
     assert capsys.readouterr().out.splitlines()[0] == (
         "--data's images are large (300 px on the short side, the median of 12): the cache "
