@@ -1,8 +1,8 @@
 """Exact evaluation under every strategy, over generated (images, batch, world size)
 triples: each validation image is counted once, and the totals are one process's.
 
-Exact shards differ in size (17 images in batches of 4 on 2 ranks: 9 and 8; 1 image on 3 ranks: 1, 0
-and 0), so ranks hold different numbers of batches. Under fsdp and hsdp a forward is
+Exact shards differ in size (17 images in batches of 4 on 2 ranks: 9 and 8; 1 image
+on 3 ranks: 1, 0 and 0), so ranks hold different numbers of batches. Under fsdp and hsdp a forward is
 itself a collective (each unit's parameters are all-gathered), so a rank with fewer
 batches must still take part in every forward the others make: before the fix, gloo
 aborted with "Received data size doesn't match expected size" or waited forever.

@@ -195,8 +195,10 @@ def test_evaluation_is_identical_at_one_two_and_three_processes(world):
     """23 images in batches of 4 (shards of 12/11 at 2, 8/8/7 at 3): the probabilities,
     gathered in dataset order, are one process's to the bit, and so are mAP, each
     class's AP, the threshold and the F1s. The shards are one process's batches dealt
-    whole: on a CPU without AVX-512 (EPYC, family 25 model 1) oneDNN rounds an image
-    by its row in the batch (6e-8 apart when shards were dealt image by image)."""
+    whole, so a math library that rounds an image by its batch and row rounds it alike
+    (on one CPU without AVX-512, images 14 and 20 came out 6e-8 apart when shards were
+    dealt image by image; the test below shows the layout with a model that looks at
+    the whole batch)."""
     from spawn import in_single_process, run_distributed
 
     reference = in_single_process(_evaluate, 23, 4)
