@@ -121,6 +121,7 @@ def _other(value):
         "linear": "cosine",
         "bilinear": "bicubic",
         "bicubic": "bilinear",
+        "shifted": "resized",
         "0.485,0.456,0.406": "0.5,0.5,0.5",
         "0.229,0.224,0.225": "0.25,0.25,0.25",
     }[value]
