@@ -53,7 +53,7 @@ def test_augmentation_seeds_depend_on_position_not_rank():
 
 
 def test_eval_shards_are_disjoint_and_unpadded():
-    shards = [list(ShardedEvalSampler(1001, r, 4)) for r in range(4)]
+    shards = [list(ShardedEvalSampler(1001, r, 4, 1)) for r in range(4)]
     assert sorted(i for s in shards for i in s) == list(range(1001))
     assert [len(s) for s in shards] == [251, 250, 250, 250]
     dealt = [len(ShardedEvalSampler(1001, r, 2, batch_size=16)) for r in range(2)]

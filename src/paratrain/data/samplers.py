@@ -276,7 +276,7 @@ class ShardedEvalSampler(Sampler[int]):
     nothing is dropped.
     """
 
-    def __init__(self, dataset_len: int, rank: int, world_size: int, batch_size: int = 1):
+    def __init__(self, dataset_len: int, rank: int, world_size: int, batch_size: int):
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         batches = range(rank * batch_size, dataset_len, world_size * batch_size)
