@@ -134,6 +134,8 @@ def run_arm(name: str, arm: str, seed: int, args, done: dict) -> list[list[float
     metrics = args.work / "runs" / run_name / "metrics.jsonl"
     if not metrics.exists():  # refused: its budget was shorter than its start-up
         return []
+    # its lines beside its metrics: what auto chose for the budget, and why
+    (metrics.parent / "stdout.txt").write_text(out)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     column = "val_top1" + judged(rows)  # the EMA weights' where the run kept them
     return [[row["since_start_s"], row[column]] for row in rows]
