@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -95,8 +96,6 @@ def launch(
     (a 2-process gloo run with loader workers was seen to stall, once, with no process
     using the CPU). ``budget``: a run refused because its budget is shorter than its
     start-up gives no output (no epoch)."""
-    import subprocess
-
     for attempt in (1, 2):
         try:
             return launch_once(command, cwd, threads, timeout=TIMEOUT,
@@ -151,6 +150,11 @@ def load(results: Path) -> dict[tuple[str, int, str], list[list[float]]]:
 def run(args) -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     done = load(args.results)
+    # a session's first launch was seen to start late, as from a cold disk cache (a budget
+    # run's first step at 16.4 s, 9.3 s when run again: docs/benchmarks.md); the libraries
+    # are loaded once here, untimed, so that the first arm timed starts as the others do
+    subprocess.run([sys.executable, "-c", "import torch, torchvision, paratrain.engine"],
+                   check=True)  # fmt: skip
     for name in args.sets:
         for seed in args.seeds:
             for arm in args.arms:
