@@ -207,31 +207,34 @@ def describe_bench(cfg: TrainConfig, opts: BenchOptions) -> str:
 def budget_plan(cfg: TrainConfig, train: int, val: int, world: int) -> str:
     """--budget in a dry run: the epochs that would fit, from a few steps timed here on
     synthetic batches in one process (the run times its own first steps and plans
-    again every epoch); under auto, at low-res's sizes too where few fit at the sizes
-    given, as the run decides."""
+    again every epoch)."""
+    from paratrain.distributed.runtime import distributed
     from paratrain.engine.prerun.budget import (
         SHORT,
         SMALLEST,
         concrete,
         duration,
+        epoch_seconds,
         low_res,
         may_choose,
         recipe_words,
     )
 
-    seconds = cfg.budget_seconds or 0.0
-    epochs, step, probe = _epochs_in(concrete(cfg), train, val, world)
+    probe = replace(concrete(cfg), nproc=1, strategy="ddp", weights=None, freeze_epochs=0)
+    with distributed(DistEnv(), cfg.device, None, cfg.timeout) as runtime:
+        result = run_bench(probe, runtime, steps=3, warmup=1)
+    assert result is not None  # the one process is rank 0
+    step = result.step_ms / 1000
     steps = -(-train // (probe.batch * world))
+    seconds = cfg.budget_seconds or 0.0
+    epochs = seconds / max(epoch_seconds(step, probe, train, val, world), 1e-9)
     recipe = ""
     if cfg.budget_recipe == "low-res":
         recipe = f"; --budget-recipe low-res: {recipe_words(cfg)}"
     elif may_choose(cfg) and epochs < SHORT and low_res(cfg).train_size >= SMALLEST:
-        low, _, _ = _epochs_in(low_res(cfg), train, val, world)
-        recipe = f"; under {SHORT:.0f}, and about {low:.1f} at low-res's sizes: " + (
-            f"so the run would likely choose --budget-recipe low-res (it times its own "
-            f"steps to decide): {recipe_words(cfg)}"
-            if low >= SHORT
-            else f"under {SHORT:.0f} too, so the run would likely keep the sizes as given"
+        recipe = (
+            f"; under {SHORT:.0f}, so the run would likely choose --budget-recipe low-res "
+            f"(it times its own steps to decide): {recipe_words(cfg)}"
         )
     return (
         f"--budget {duration(seconds)}: at most about {epochs:.1f} epochs at "
@@ -240,20 +243,3 @@ def budget_plan(cfg: TrainConfig, train: int, val: int, world: int) -> str:
         "epoch; loading, evaluation and saving add to it): the run times its own first "
         f"steps and plans again every epoch{recipe}"
     )
-
-
-def _epochs_in(
-    cfg: TrainConfig, train: int, val: int, world: int
-) -> tuple[float, float, TrainConfig]:
-    """The epochs of ``cfg`` that fit in its budget, from a few steps timed here in one
-    process; the step's seconds, and the config timed."""
-    from paratrain.distributed.runtime import distributed
-    from paratrain.engine.prerun.budget import epoch_seconds
-
-    probe = replace(cfg, nproc=1, strategy="ddp", weights=None, freeze_epochs=0)
-    with distributed(DistEnv(), cfg.device, None, cfg.timeout) as runtime:
-        result = run_bench(probe, runtime, steps=3, warmup=1)
-    assert result is not None  # the one process is rank 0
-    step = result.step_ms / 1000
-    epoch = epoch_seconds(step, probe, train, val, world)
-    return (cfg.budget_seconds or 0.0) / max(epoch, 1e-9), step, probe

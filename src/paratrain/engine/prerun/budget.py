@@ -11,11 +11,10 @@ epochs (engine/run/schedule.py), so a new length only reshapes what is left of t
 
 Before that, the recipe (``--budget-recipe``): when few epochs would fit at the sizes as
 given, more epochs at a lower resolution reach a good model sooner (measured on two sets
-in docs/benchmarks.md: the plain loop's best in a third of its time), if it buys enough
-of them. The choice is made once, before the cache is built (it keeps the sizes chosen),
-from a few steps timed on synthetic batches at each recipe's sizes, and recorded in
-config.yaml (``--budget-recipe low-res``, the sizes as given), so a resumed run and
-``--config`` keep it.
+in docs/benchmarks.md: the plain loop's best in a third of its time). The choice is made once,
+before the cache is built (it keeps the sizes chosen), from a few steps timed on
+synthetic batches, and recorded in config.yaml (``--budget-recipe low-res``, the sizes
+as given), so a resumed run and ``--config`` keep it.
 """
 
 from __future__ import annotations
@@ -40,11 +39,7 @@ EVAL_COST = 1 / 3  # a batch's evaluation, as a share of its training step (forw
 SAFETY = 0.02  # of the budget, kept back for what the plan cannot see (the last write)
 EXIT = 0.75  # seconds kept back for the processes to end (measured: 0.3 s for 2 on a CPU,
 # from the last line to the command's exit; the launcher looks every 0.5 s)
-# auto: the low-res recipe where fewer epochs than this fit at the sizes as given and at
-# least this many at its own; where fewer fit at both, the sizes as given (on the suite's
-# choose half, low-res's few more epochs at a third of the plain loop's time bought less
-# than its lower size cost: docs/benchmarks.md)
-SHORT = 10.0
+SHORT = 10.0  # auto: fewer epochs than this at the sizes as given, the low-res recipe
 # auto: no low-res recipe that would train below this many pixels (a ResNet's stride:
 # its last stage at one pixel). The suite's digits, 8-px originals given at 32 px, trained
 # at 16 by the low-res recipe and learnt nearly nothing (docs/benchmarks.md)
@@ -278,8 +273,7 @@ def choose_recipe(
 ) -> TrainConfig:
     """--budget-recipe auto made low-res or fixed (every rank the same), and said; a
     resumed run keeps what its config.yaml recorded. Low-res where few epochs fit at the
-    sizes given and enough at its own (each timed: on a CPU its step is 1.6x faster per
-    image, where the pixels are 2.6x fewer), unless a look at a few training images finds that the lower sizes lose
+    sizes given, unless a look at a few training images finds that the lower sizes lose
     what tells the classes apart (engine/prerun/detail.py). The look comes first: it
     costs a few small decodes, and where it keeps the sizes no step is timed (the
     probe's second or more is the budget's; on the suite's fine-detail set, 1.1 s of a
@@ -300,57 +294,29 @@ def choose_recipe(
         return replace(cfg, budget_recipe="fixed")
     if _detail_lost(cfg, split, budget):  # a look at a few images, before any step is timed
         return replace(cfg, budget_recipe="fixed")
+    from paratrain.engine.prerun.probe import step_seconds  # builds a model: only when choosing
+
     get_logger().info(
         f"{budget}: timing a few steps of the model on synthetic batches to choose the "
         f"recipe ({since_start():.1f}s gone; --budget-recipe fixed skips this)"
     )
-    given = _fits(cfg, runtime, train, val)
-    if given.epochs >= SHORT:
-        get_logger().info(f"{budget}: {given.words()}, {SHORT:.0f} or more: the sizes as given")
-        return replace(cfg, budget_recipe="fixed")
-    low = _fits(low_res(cfg), runtime, train, val)
-    lower = low.epochs >= SHORT
-    get_logger().info(
-        f"{budget}: {given.words()}, fewer than {SHORT:.0f}; {low.words()}"
-        + (
-            ": --budget-recipe low-res"
-            if lower
-            else f", fewer than {SHORT:.0f} too: its few more epochs do not pay for the "
-            "lower size: the sizes as given"
-        )
-    )
-    return replace(cfg, budget_recipe="low-res" if lower else "fixed")
-
-
-@dataclass
-class Fit:
-    """The epochs that fit in what is left of a budget at one recipe's sizes, from a few
-    steps timed on synthetic batches."""
-
-    epochs: float
-    size: int
-    step: float
-    took: float  # the timing's seconds (the budget's)
-
-    def words(self) -> str:
-        return (
-            f"about {self.epochs:.1f} epochs fit at {self.size} px ({self.step:.3f} s a step "
-            f"on synthetic batches; timing took {self.took:.1f}s of the budget)"
-        )
-
-
-def _fits(cfg: TrainConfig, runtime: Runtime, train: int, val: int) -> Fit:
-    """The epochs of ``cfg``'s sizes and batch that fit in what rank 0's clock leaves,
-    every rank the same (the step is the slowest rank's already)."""
-    from paratrain.engine.prerun.probe import step_seconds  # builds a model: only when choosing
-
     started = time.perf_counter()
     step, replicas = step_seconds(cfg, runtime)
-    took = time.perf_counter() - started
+    probe = time.perf_counter() - started
     epoch = epoch_seconds(step, cfg, train, val, replicas)
     fits = comm.broadcast_object(max(Budget(cfg.budget_seconds or 0.0).left(), 0.0) / epoch)
     assert fits is not None  # rank 0's
-    return Fit(fits, cfg.train_size, step, took)
+    short = fits < SHORT
+    get_logger().info(
+        f"{budget}: about {fits:.1f} epochs fit at {cfg.train_size} px ({step:.3f} s a "
+        f"step on synthetic batches; timing took {probe:.1f}s of the budget), "
+        + (
+            f"fewer than {SHORT:.0f}: --budget-recipe low-res"
+            if short
+            else f"{SHORT:.0f} or more: the sizes as given"
+        )
+    )
+    return replace(cfg, budget_recipe="low-res" if short else "fixed")
 
 
 def _detail_lost(cfg: TrainConfig, split: DataSplit, budget: str) -> bool:
