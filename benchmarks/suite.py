@@ -15,7 +15,10 @@ budget arms need their plain run first. ``report`` prints, per set and for the t
 halves (the sets the recipes may be chosen on, and the sets that confirm them): each
 arm's time to the plain loop's best and its speed-up, its best and final top-1 (means
 over the seeds), the equal-epoch gap to the plain loop at every epoch against one
-seed's spread, then the geometric means and the confirm half's targets.
+seed's spread, then the geometric means and the confirm half's targets. Each ``run``
+first times a fixed step of ResNet-18 (CALIBRATE) and records it with every arm;
+``report`` names the sets whose arms ran on a machine a fifth slower or faster than
+their plain runs, whose budgets then held fewer or more epochs than their share implies.
 
     python benchmarks/suite.py run --sets colour fine digits --seeds 0 1 2
     python benchmarks/suite.py report [--markdown]
@@ -140,21 +143,57 @@ def run_arm(name: str, arm: str, seed: int, args, done: dict) -> list[list[float
     return [[row["since_start_s"], row[column]] for row in rows]
 
 
-def load(results: Path) -> dict[tuple[str, int, str], list[list[float]]]:
+def _rows(results: Path) -> list[dict]:
     if not results.exists():
-        return {}
-    rows = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
-    return {(r["set"], r["seed"], r["arm"]): r["curve"] for r in rows}
+        return []
+    return [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+
+
+def load(results: Path) -> dict[tuple[str, int, str], list[list[float]]]:
+    return {(r["set"], r["seed"], r["arm"]): r["curve"] for r in _rows(results)}
+
+
+# A fixed piece of work timed before a session's arms: ResNet-18's training step at 64 px,
+# batch 16, one thread (as each of the 2 processes trains), the median of 15 after 1. The
+# budget arms' seconds are shares of plain runs that may have run in another session, and
+# machines of the same name differ: one session's trained ResNet-18 1.4 to 1.5x slower
+# than the last's (docs/benchmarks.md), so its budgets held fewer epochs than a third of
+# the plain loop's time implies. report says where an arm's machine and its plain run's
+# differ by more than a fifth.
+CALIBRATE = """
+import statistics, time, torch, torchvision, paratrain.engine
+torch.set_num_threads(1); torch.manual_seed(0)
+model = torchvision.models.resnet18(num_classes=10)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+x, y = torch.randn(16, 3, 64, 64), torch.randint(0, 10, (16,))
+times = []
+for _ in range(16):
+    start = time.perf_counter()
+    optimizer.zero_grad(); torch.nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step(); times.append(time.perf_counter() - start)
+print(1000 * statistics.median(times[1:]))
+"""
+# report: a machine this much slower or faster than the plain run's (the step's own spread:
+# 347 to 375 ms over four calls in a row on one machine)
+DIFFER = 1.2
+
+
+def calibrate() -> float:
+    """Milliseconds of CALIBRATE's step on this machine now (it loads the libraries as
+    well: a session's first launch was seen to start late, as from a cold disk cache, a
+    budget run's first step at 16.4 s, 9.3 s when run again; loaded here, untimed, the
+    first arm timed starts as the others do)."""
+    done = subprocess.run([sys.executable, "-c", CALIBRATE], check=True, capture_output=True,
+                          text=True)  # fmt: skip
+    return float(done.stdout.split()[-1])
 
 
 def run(args) -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     done = load(args.results)
-    # a session's first launch was seen to start late, as from a cold disk cache (a budget
-    # run's first step at 16.4 s, 9.3 s when run again: docs/benchmarks.md); the libraries
-    # are loaded once here, untimed, so that the first arm timed starts as the others do
-    subprocess.run([sys.executable, "-c", "import torch, torchvision, paratrain.engine"],
-                   check=True)  # fmt: skip
+    step_ms = calibrate()
+    print(f"{machine()}: ResNet-18's step at 64 px, batch 16, one thread: {step_ms:.0f} ms",
+          flush=True)  # fmt: skip
     for name in args.sets:
         for seed in args.seeds:
             for arm in args.arms:
@@ -164,7 +203,7 @@ def run(args) -> None:
                 done[(name, seed, arm)] = curve
                 with args.results.open("a") as handle:
                     handle.write(json.dumps({"set": name, "seed": seed, "arm": arm,
-                                             "curve": curve}) + "\n")  # fmt: skip
+                                             "curve": curve, "step_ms": step_ms}) + "\n")  # fmt: skip
                 if not curve:
                     print(f"{name} seed {seed} {arm}: refused, its budget shorter than its "
                           "start-up", flush=True)  # fmt: skip
@@ -297,10 +336,38 @@ def markdown(rows: dict) -> None:
                   f"{budget(m, 'third')} | {budget(m, 'two-thirds')} |")  # fmt: skip
 
 
+def machines_apart(rows: list[dict]) -> list[str]:
+    """A line for each set whose arms ran on a machine more than DIFFER slower or faster
+    than their plain runs (by CALIBRATE's step; rows written before it have none)."""
+    plain = {(r["set"], r["seed"]): r["step_ms"] for r in rows
+             if r["arm"] == "plain" and r.get("step_ms")}  # fmt: skip
+    apart: dict[str, list[float]] = {}
+    for r in rows:
+        base = plain.get((r["set"], r["seed"]))
+        if r["arm"] != "plain" and base and r.get("step_ms"):
+            ratio = r["step_ms"] / base
+            if max(ratio, 1 / ratio) > DIFFER:
+                apart.setdefault(r["set"], []).append(ratio)
+
+    def span(ratios: list[float]) -> str:
+        low, high = f"{min(ratios):.2f}", f"{max(ratios):.2f}"
+        return f"{low}x" if low == high else f"{low} to {high}x"
+
+    return [
+        f"{name}: {len(ratios)} run(s) on a machine {span(ratios)} as slow as their plain "
+        "runs' (ResNet-18's step timed before each session): a "
+        "budget's share of the plain loop's time held that much fewer (or more) of their "
+        "epochs, and their speed-ups carry the difference"
+        for name, ratios in sorted(apart.items())
+    ]
+
+
 def report(args) -> None:
     done = load(args.results)
     seeds = sorted({seed for _, seed, _ in done})
     print(f"{args.results}: seeds {seeds}; {machine()}")
+    for line in machines_apart(_rows(args.results)):
+        print(f"  machines apart: {line}")
     rows = {name: r for name in (*CHOOSE, *CONFIRM) if (r := _row(name, done, seeds))}
     if args.markdown:
         markdown(rows)
