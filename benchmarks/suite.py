@@ -156,7 +156,7 @@ def load(results: Path) -> dict[tuple[str, int, str], list[list[float]]]:
 # A fixed piece of work timed before a session's arms: ResNet-18's training step at 64 px,
 # batch 16, one thread (as each of the 2 processes trains), the median of 15 after 1. The
 # budget arms' seconds are shares of plain runs that may have run in another session, and
-# machines of the same name differ: one session's trained ResNet-18 1.4 to 1.5x slower
+# machines of the same name differ: one session's host trained ResNet-18 1.4-1.5x slower
 # than the last's (docs/benchmarks.md), so its budgets held fewer epochs than a third of
 # the plain loop's time implies. report says where an arm's machine and its plain run's
 # differ by more than a fifth.
