@@ -149,8 +149,12 @@ def _rows(results: Path) -> list[dict]:
     return [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
 
 
+def curves(rows: list[dict]) -> dict[tuple[str, int, str], list[list[float]]]:
+    return {(r["set"], r["seed"], r["arm"]): r["curve"] for r in rows}
+
+
 def load(results: Path) -> dict[tuple[str, int, str], list[list[float]]]:
-    return {(r["set"], r["seed"], r["arm"]): r["curve"] for r in _rows(results)}
+    return curves(_rows(results))
 
 
 # A fixed piece of work timed before a session's arms: ResNet-18's training step at 64 px,
@@ -191,26 +195,26 @@ def calibrate() -> float:
 def run(args) -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     done = load(args.results)
+    pending = [(n, s, a) for n in args.sets for s in args.seeds for a in args.arms
+               if (n, s, a) not in done]  # fmt: skip
+    if not pending:  # every arm asked for is in the results already: nothing to time
+        return
     step_ms = calibrate()
     print(f"{machine()}: ResNet-18's step at 64 px, batch 16, one thread: {step_ms:.0f} ms",
           flush=True)  # fmt: skip
-    for name in args.sets:
-        for seed in args.seeds:
-            for arm in args.arms:
-                if (name, seed, arm) in done:
-                    continue
-                curve = run_arm(name, arm, seed, args, done)
-                done[(name, seed, arm)] = curve
-                with args.results.open("a") as handle:
-                    handle.write(json.dumps({"set": name, "seed": seed, "arm": arm,
-                                             "curve": curve, "step_ms": step_ms}) + "\n")  # fmt: skip
-                if not curve:
-                    print(f"{name} seed {seed} {arm}: refused, its budget shorter than its "
-                          "start-up", flush=True)  # fmt: skip
-                    continue
-                best = max(a for _, a in curve)
-                print(f"{name} seed {seed} {arm}: best {best:.1%} final {curve[-1][1]:.1%} "
-                      f"in {curve[-1][0]:.0f}s", flush=True)  # fmt: skip
+    for name, seed, arm in pending:
+        curve = run_arm(name, arm, seed, args, done)
+        done[(name, seed, arm)] = curve
+        with args.results.open("a") as handle:
+            handle.write(json.dumps({"set": name, "seed": seed, "arm": arm, "curve": curve,
+                                     "step_ms": step_ms}) + "\n")  # fmt: skip
+        if not curve:
+            print(f"{name} seed {seed} {arm}: refused, its budget shorter than its start-up",
+                  flush=True)  # fmt: skip
+            continue
+        best = max(a for _, a in curve)
+        print(f"{name} seed {seed} {arm}: best {best:.1%} final {curve[-1][1]:.1%} "
+              f"in {curve[-1][0]:.0f}s", flush=True)  # fmt: skip
 
 
 def _row(name: str, done: dict, seeds: list[int]) -> dict | None:
@@ -363,10 +367,11 @@ def machines_apart(rows: list[dict]) -> list[str]:
 
 
 def report(args) -> None:
-    done = load(args.results)
+    written = _rows(args.results)  # read once: the curves and the machines' steps
+    done = curves(written)
     seeds = sorted({seed for _, seed, _ in done})
     print(f"{args.results}: seeds {seeds}; {machine()}")
-    for line in machines_apart(_rows(args.results)):
+    for line in machines_apart(written):
         print(f"  machines apart: {line}")
     rows = {name: r for name in (*CHOOSE, *CONFIRM) if (r := _row(name, done, seeds))}
     if args.markdown:
