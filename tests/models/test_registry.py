@@ -114,3 +114,28 @@ def test_zero_init_residual_reaches_timms_blocks():
             weight.fill_(1.0)
     assert zero_init_residual(model, "timm/resnet10t") == 4
     assert len(last) == 4 and all(not w.any() for w in last)
+
+
+def test_a_size_is_tried_once_a_process_and_a_refusal_still_says_why(monkeypatch):
+    """The launcher's checks and a worker's setup ask whether the model takes a size
+    alike: the model is built and run once a size, and the answer (a refusal too) is
+    the same each time."""
+    from paratrain.models import registry
+
+    built = []
+    real = registry.create_model
+    monkeypatch.setattr(
+        registry, "create_model", lambda name, *a: built.append(name) or real(name, *a)
+    )
+    registry.runs_at.cache_clear()
+    for _ in range(2):
+        registry.check_input_size("resnet18", 24, norm_batch=4)
+        with pytest.raises(UserError, match="cannot run on 4px images"):
+            registry.check_input_size("alexnet", 4)
+    tries = [name for name in built if name == "resnet18"]
+    assert tries == ["resnet18"], built
+    assert built.count("alexnet") > 1  # the refusal's answer, then the smallest size's search
+    before = len(built)
+    with pytest.raises(UserError, match="cannot run on 4px images"):
+        registry.check_input_size("alexnet", 4)
+    assert len(built) == before  # every size it tried: kept

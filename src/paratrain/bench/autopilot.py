@@ -463,10 +463,10 @@ def range_test(cfg: TrainConfig, steps: int, plot: Path | None, say) -> Choice[f
 
 
 def _plot(lrs, losses, steepest: float, chosen: float, path: Path) -> None:
-    from paratrain.report.plots import _pyplot
+    from paratrain.report.plots import new_figure
 
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.6))
+    fig = new_figure(figsize=(6, 3.6))
+    ax = fig.subplots()
     ax.plot(lrs, losses, alpha=0.4, label="loss")
     ax.plot(lrs, smooth(losses), label="smoothed")
     ax.axvline(steepest, color="tab:red", linestyle="--", label=f"steepest {steepest:.3g}")
@@ -478,7 +478,6 @@ def _plot(lrs, losses, steepest: float, chosen: float, path: Path) -> None:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 # ------------------------------------------------------------------ all together

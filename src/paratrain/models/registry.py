@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -351,13 +352,16 @@ def build_model(
     return model
 
 
+@functools.lru_cache(maxsize=64)
 def runs_at(name: str, image_size: int, batch: int = 2) -> str | None:
     """None when ``name`` trains on ``image_size``-pixel images in batches of ``batch``,
     else why it cannot.
 
     The model is built and run on the meta device (shapes only, no memory, no
     arithmetic), in training mode; an operation the meta device lacks is tried once for
-    real on the CPU instead."""
+    real on the CPU instead. The answer is kept for the process: the launcher's checks
+    and a worker's own setup ask alike (0.1 to 0.4 s a question on a CPU, most of it
+    BatchNorm's shape rules run in Python)."""
     for device in ("meta", "cpu"):
         try:
             with torch.device(device):

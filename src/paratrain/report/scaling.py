@@ -7,7 +7,7 @@ import json
 import math
 from pathlib import Path
 
-from paratrain.report.plots import _pyplot
+from paratrain.report.plots import new_figure
 
 CSV_COLUMNS = (
     "source",
@@ -256,8 +256,8 @@ def write_report(report: dict, out: Path) -> list[Path]:
 
 
 def _plot(rows: list[dict], key: str, label: str, path: Path, ideal: bool) -> None:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    fig = new_figure(figsize=(6.4, 4.4))
+    ax = fig.subplots()
     predicted = [r for r in rows if r["source"] == "predicted"]
     ns = [r["n"] for r in predicted]
     ax.plot(ns, [r[key] for r in predicted], "-", label="predicted")
@@ -282,4 +282,3 @@ def _plot(rows: list[dict], key: str, label: str, path: Path, ideal: bool) -> No
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
