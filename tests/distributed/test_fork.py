@@ -46,6 +46,25 @@ def test_a_process_that_only_imported_torch_may_fork_and_one_with_a_thread_pool_
     assert _in_a_fresh_process(probe, PARATRAIN_FORK="0").startswith("False,False,")
 
 
+def test_a_process_forked_from_one_that_may_fork_may_fork_too():
+    """A forked process (a program's multiprocessing worker launching a run) has its
+    own thread id, which Python's threading keeps as the forking thread's: asked only
+    of threading, that thread passed for one made outside Python, and forking was
+    refused."""
+    probe = """
+        import os, torch
+        from paratrain.distributed.launch import may_fork
+        read, write = os.pipe()
+        if os.fork() == 0:
+            os.write(write, str(may_fork()).encode())
+            os._exit(0)
+        os.wait()
+        print(f"{may_fork()},{os.read(read, 16).decode()},{torch.cuda.is_available()}")
+    """
+    here, child, cuda = _in_a_fresh_process(probe).split(",")
+    assert here == child == str(cuda == "False")
+
+
 @pytest.mark.slow
 def test_forked_workers_train_bit_for_bit_as_workers_started_afresh(tmp_path):
     """The same two-process job, its workers forked (the launcher's fork path taken, as a

@@ -181,7 +181,10 @@ def may_fork() -> bool:
         return False
     try:
         native = {int(tid) for tid in os.listdir("/proc/self/task")}
+        # this thread's id asked anew: in a forked process threading keeps the forking
+        # thread's (Python 3.11), and this one would pass for a thread made elsewhere
         python = {thread.native_id for thread in threading.enumerate()}
+        python.add(threading.get_native_id())
         maps = Path("/proc/self/maps").read_text().splitlines()
         return all(_idle_blas(tid, maps) for tid in native - python)
     except (OSError, ValueError):
