@@ -7,13 +7,13 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 from imagefolders import make_image_folder
+from zygote import paratrain
 
 # 3 classes x 20 images: 48 train / 12 val; batch 4 x 2 processes = 6 steps per epoch
 FAST = ["--model", "resnet18", "--image-size", "16", "--batch-size", "4", "--workers", "0"]
@@ -48,26 +48,15 @@ def run(root: Path, *args: str, timeout: float = 240, **env: str):
     """`paratrain train *args` in ``root``: (the finished process, its seconds). One still
     running after ``timeout`` is killed with every process below it, and fails the
     test with what it printed (killing the launcher alone would leave its workers
-    holding the pipes, and the test waiting on them for ever)."""
+    holding the pipes, and the test waiting on them for ever). Forked from an
+    interpreter that has imported torch already (zygote.py)."""
     start = time.monotonic()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "paratrain", "train", *args],
-        cwd=root,
-        env=env_for(root, **env),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(process.pid)
-        stdout, stderr = process.communicate()
+    out, timed_out = paratrain(["train", *args], root, env_for(root, **env), timeout)
+    if timed_out:
         raise AssertionError(
             f"paratrain train {' '.join(args)} still ran after {timeout:.0f} s:\n"
-            f"{stdout[-3000:]}\n{stderr[-3000:]}"
-        ) from None
-    out = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+            f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+        )
     return out, time.monotonic() - start
 
 
@@ -118,14 +107,12 @@ def last_weights(root: Path, name: str) -> dict[str, torch.Tensor]:
 def run_cli(
     *args: str, cwd: Path, timeout: float = 300, **extra: str
 ) -> subprocess.CompletedProcess:
+    """`paratrain *args` in ``cwd``, forked as ``run`` is: subprocess.run's
+    TimeoutExpired past ``timeout``, the command killed with everything below it."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PARATRAIN_CACHE"] = str(cwd / "cache")
     env.update(extra)
-    return subprocess.run(
-        [sys.executable, "-m", "paratrain", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    out, timed_out = paratrain(list(args), cwd, env, timeout)
+    if timed_out:
+        raise subprocess.TimeoutExpired(out.args, timeout, out.stdout, out.stderr)
+    return out
