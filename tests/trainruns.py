@@ -105,13 +105,18 @@ def last_weights(root: Path, name: str) -> dict[str, torch.Tensor]:
 
 
 def run_cli(
-    *args: str, cwd: Path, timeout: float = 300, **extra: str
+    *args: str, cwd: Path, timeout: float = 300, **extra: str | None
 ) -> subprocess.CompletedProcess:
     """`paratrain *args` in ``cwd``, forked as ``run`` is: subprocess.run's
-    TimeoutExpired past ``timeout``, the command killed with everything below it."""
+    TimeoutExpired past ``timeout``, the command killed with everything below it.
+    ``extra``: variables set, or (None) left out."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PARATRAIN_CACHE"] = str(cwd / "cache")
-    env.update(extra)
+    for key, value in extra.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     out, timed_out = paratrain(list(args), cwd, env, timeout)
     if timed_out:
         raise subprocess.TimeoutExpired(out.args, timeout, out.stdout, out.stderr)

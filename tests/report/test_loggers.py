@@ -15,6 +15,7 @@ from imagefolders import make_image_folder
 from paratrain.cli import main
 from paratrain.config.train import resolve_train
 from paratrain.errors import UserError
+from trainruns import run_cli
 from wandb_records import recorded
 
 FAST = ["--model", "resnet18", "--image-size", "16", "--batch-size", "4", "--workers", "0"]
@@ -25,28 +26,13 @@ def tracked(tmp_path_factory):
     """Two processes, two epochs, every tracker; then resumed for a third epoch."""
     root = tmp_path_factory.mktemp("trackers")
     data = make_image_folder(root / "data", classes=3, per_class=10)
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("WANDB_MODE", "offline")
-        env.delenv("MLFLOW_TRACKING_URI", raising=False)
-        env.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
-        common = [
-            "train",
-            "--data",
-            str(data),
-            "--nproc",
-            "2",
-            "--name",
-            "t",
-            *FAST,
-            "--output-dir",
-            str(root / "runs"),
-            "--logger",
-            "tensorboard,mlflow,wandb,csv,jsonl",
-        ]
-        first = main([*common, "--epochs", "2"])
-        ids = json.loads((root / "runs/t/trackers.json").read_text())
-        second = main([*common, "--epochs", "3", "--resume", "auto"])
-    assert (first, second) == (0, 0)
+    common = ["train", "--data", str(data), "--nproc", "2", "--name", "t", *FAST,
+              "--output-dir", str(root / "runs"), "--logger", "tensorboard,mlflow,wandb,csv,jsonl"]  # fmt: skip
+    env = {"WANDB_MODE": "offline", "MLFLOW_TRACKING_URI": None, "MLFLOW_EXPERIMENT_NAME": None}
+    first = run_cli(*common, "--epochs", "2", cwd=root, **env)
+    ids = json.loads((root / "runs/t/trackers.json").read_text())
+    second = run_cli(*common, "--epochs", "3", "--resume", "auto", cwd=root, **env)
+    assert (first.returncode, second.returncode) == (0, 0), first.stderr + second.stderr
     return root / "runs", ids
 
 
