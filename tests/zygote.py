@@ -118,6 +118,7 @@ def _waiting() -> socket.socket:
                 "PYTHONUNBUFFERED": "1",
             },  # fmt: skip
             stdin=subprocess.DEVNULL,
+            cwd=here,  # not a test's folder, removed while it waits
         )
         theirs.close()
         _WAITING = ours
