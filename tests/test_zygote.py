@@ -20,7 +20,7 @@ def test_a_forked_command_says_and_ends_as_a_new_interpreter_does(tmp_path, monk
     for fresh in ("0", "1"):
         monkeypatch.setenv(zygote.FRESH, fresh)
         told[fresh] = [
-            zygote.paratrain(args, tmp_path / "here", env_for(tmp_path), 120)
+            zygote.command(args, tmp_path / "here", env_for(tmp_path), 120)
             for args in (["train", "--data", "nope"], ["train", "--epochs", "x"], ["--version"])
         ]
     for forked, new in zip(told["0"], told["1"], strict=True):
@@ -51,7 +51,7 @@ def test_a_forked_run_is_found_by_its_flags_and_killed_with_its_workers_at_its_t
 
     watcher = threading.Thread(target=watch)
     watcher.start()
-    out, timed_out = zygote.paratrain(args, root, env_for(root), timeout=15)
+    out, timed_out = zygote.command(args, root, env_for(root), timeout=15)
     watcher.join()
     assert timed_out and out.returncode != 0
     assert seen and all("-m paratrain train --data" in line for line in seen[0]), seen

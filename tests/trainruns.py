@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from imagefolders import make_image_folder
-from zygote import paratrain
+from zygote import command
 
 # 3 classes x 20 images: 48 train / 12 val; batch 4 x 2 processes = 6 steps per epoch
 FAST = ["--model", "resnet18", "--image-size", "16", "--batch-size", "4", "--workers", "0"]
@@ -51,7 +51,7 @@ def run(root: Path, *args: str, timeout: float = 240, **env: str):
     holding the pipes, and the test waiting on them for ever). Forked from an
     interpreter that has imported torch already (zygote.py)."""
     start = time.monotonic()
-    out, timed_out = paratrain(["train", *args], root, env_for(root, **env), timeout)
+    out, timed_out = command(["train", *args], root, env_for(root, **env), timeout)
     if timed_out:
         raise AssertionError(
             f"paratrain train {' '.join(args)} still ran after {timeout:.0f} s:\n"
@@ -117,7 +117,7 @@ def run_cli(
             env.pop(key, None)
         else:
             env[key] = value
-    out, timed_out = paratrain(list(args), cwd, env, timeout)
+    out, timed_out = command(list(args), cwd, env, timeout)
     if timed_out:
         raise subprocess.TimeoutExpired(out.args, timeout, out.stdout, out.stderr)
     return out

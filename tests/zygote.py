@@ -28,7 +28,7 @@ from pathlib import Path
 FRESH = "PARATRAIN_TEST_FRESH"
 
 
-def paratrain(
+def command(
     args: list[str], cwd: Path, env: dict[str, str], timeout: float
 ) -> tuple[subprocess.CompletedProcess, bool]:
     """Run the command to its end (the last process holding its output gone), or until
