@@ -387,8 +387,8 @@ def test_the_curves_mark_whole_epochs_only(tmp_path):
 
 
 def test_a_runs_pictures_are_drawn_without_pyplot(tmp_path):
-    """Pictures are files: drawn by a Figure alone, with no pyplot (its import was 0.4 s
-    of a run's first picture, and on a desktop it would pick a window backend)."""
+    """Pictures are files: drawn by a Figure alone, with no pyplot (whose open figures
+    had each to be closed, and which on a desktop picks a window backend)."""
     code = (
         "import sys, numpy as np; from pathlib import Path; from paratrain.report import plots\n"
         "rows = [{'epoch': 1, 'train_loss': 1.0, 'val_loss': 1.1, 'val_top1': 0.5, 'lr': 0.1}]\n"

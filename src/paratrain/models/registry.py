@@ -360,7 +360,7 @@ def runs_at(name: str, image_size: int, batch: int = 2) -> str | None:
     The model is built and run on the meta device (shapes only, no memory, no
     arithmetic), in training mode; an operation the meta device lacks is tried once for
     real on the CPU instead. The answer is kept for the process: the launcher's checks
-    and a worker's own setup ask alike (0.1 to 0.4 s a question on a CPU, most of it
+    and a worker's own setup ask alike (0.1 to 0.3 s a question on a CPU, most of it
     BatchNorm's shape rules run in Python)."""
     for device in ("meta", "cpu"):
         try:
