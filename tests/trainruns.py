@@ -3,9 +3,7 @@ would (a subprocess of `paratrain train`), and reading what it saved."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -60,21 +58,6 @@ def run(root: Path, *args: str, timeout: float = 240, **env: str):
     return out, time.monotonic() - start
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and every process below it (torchrun's workers are in sessions of
-    their own, so a process group would miss them)."""
-    for each in [*_descendants(pid), pid]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(each, signal.SIGKILL)
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid``, deepest first."""
-    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    children = [int(child) for child in found.split()]
-    return [below for child in children for below in [*_descendants(child), child]]
-
-
 def leftover(tag: str) -> list[str]:
     found = subprocess.run(["pgrep", "-af", "--", tag], capture_output=True, text=True).stdout
     return [line for line in found.splitlines() if "pgrep" not in line]
@@ -110,8 +93,7 @@ def run_cli(
     """`paratrain *args` in ``cwd``, forked as ``run`` is: subprocess.run's
     TimeoutExpired past ``timeout``, the command killed with everything below it.
     ``extra``: variables set, or (None) left out."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["PARATRAIN_CACHE"] = str(cwd / "cache")
+    env = env_for(cwd)
     for key, value in extra.items():
         if value is None:
             env.pop(key, None)

@@ -16,9 +16,11 @@ interpreter instead.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -51,8 +53,6 @@ def command(
 
 
 def _fresh(argv, cwd, env, timeout) -> tuple[subprocess.CompletedProcess, bool]:
-    from trainruns import kill_tree
-
     process = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
@@ -67,8 +67,6 @@ def _fresh(argv, cwd, env, timeout) -> tuple[subprocess.CompletedProcess, bool]:
 
 def _read(out_r: int, err_r: int, deadline: float, pid: int) -> tuple[list[str], bool]:
     """Both pipes read to their end; past ``deadline`` the child's tree is killed first."""
-    from trainruns import kill_tree
-
     chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
     open_ = [out_r, err_r]
     timed_out = False
@@ -91,6 +89,21 @@ def _read(out_r: int, err_r: int, deadline: float, pid: int) -> tuple[list[str],
         os.close(fd)
     text = [b"".join(chunks[fd]).decode(errors="replace") for fd in (out_r, err_r)]
     return text, timed_out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it (torchrun's workers are in sessions of
+    their own, so a process group would miss them)."""
+    for each in [*_descendants(pid), pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(each, signal.SIGKILL)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, deepest first."""
+    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    children = [int(child) for child in found.split()]
+    return [below for child in children for below in [*_descendants(child), child]]
 
 
 def _reply(waiting: socket.socket) -> dict:

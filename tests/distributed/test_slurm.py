@@ -16,7 +16,7 @@ import torch
 from imagefolders import make_image_folder
 from paratrain.cli import main
 from slurmstub import _env, sbatch
-from trainruns import kill_tree
+from zygote import kill_tree
 
 pytestmark = pytest.mark.slow
 
