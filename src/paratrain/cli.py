@@ -8,7 +8,9 @@ function of ``paratrain.api`` does the rest.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -378,6 +380,24 @@ def forked_worker(argv: list[str]) -> None:
         time.sleep(4 * MONITOR_S)
     if code:
         _exit_now(code)
+    _end_loader_workers()
+
+
+def _end_loader_workers() -> None:
+    """Kill the daemonic child processes a forked worker still has when its command
+    has returned: loader workers whose loader outlived the run (persistent workers held
+    by a reference cycle until a collection that never came). The process returns into
+    multiprocessing's exit, which ends daemonic children with SIGTERM and then joins
+    them; loader workers ignore SIGTERM (data/folder.leave_stop_signals_to_the_rank:
+    it is their rank's to act on), so that join would wait for ever, and the launcher
+    with it. Their work is done: every file is written by now."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        if child.daemon and child.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, signal.SIGKILL)
+            child.join()
 
 
 def _code_of(exc: SystemExit) -> int:

@@ -102,3 +102,49 @@ def test_forked_workers_train_bit_for_bit_as_workers_started_afresh(tmp_path):
 
 def _env(root: Path) -> dict[str, str]:
     return {k: v for k, v in env_for(root).items() if k != "PARATRAIN_FORK"}
+
+
+def test_a_forked_worker_that_returns_ends_the_loader_workers_it_still_has():
+    """A forked worker's command returns with a daemonic child still running that
+    ignores SIGTERM, as a loader worker does whose loader a reference cycle keeps:
+    multiprocessing's exit would terminate it with SIGTERM and then wait on it for ever
+    (a two-process run on a CSV listing hung so after its last line). The worker ends,
+    with its command's code, and so does the child."""
+    probe = """
+        import multiprocessing, os, signal, time
+        from paratrain import cli
+
+        def loader_worker(ready):
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            ready.set()
+            time.sleep(300)
+
+        left, pid = [], multiprocessing.get_context("fork").Value("i", 0)
+
+        def command(argv=None):
+            fork = multiprocessing.get_context("fork")
+            ready = fork.Event()
+            child = fork.Process(target=loader_worker, args=(ready,), daemon=True)
+            child.start()
+            ready.wait(30)  # ignoring SIGTERM before the command returns
+            left.append(child)
+            pid.value = child.pid
+            return 0
+
+        cli.main = command
+        worker = multiprocessing.get_context("fork").Process(target=cli.forked_worker, args=([],))
+        worker.start()
+        worker.join(timeout=30)
+        hung = worker.is_alive()
+        os.killpg(worker.pid, signal.SIGKILL) if hung else None  # its session: it and the child
+        worker.join()
+        child = pid.value
+        time.sleep(0.2)
+        try:
+            os.kill(child, 0)
+            child_alive = open(f"/proc/{child}/stat").read().split()[2] != "Z"
+        except ProcessLookupError:
+            child_alive = False
+        print(f"hung={hung},code={worker.exitcode},child_alive={child_alive}")
+    """
+    assert _in_a_fresh_process(probe) == "hung=False,code=0,child_alive=False"
