@@ -1,5 +1,6 @@
 """Pretrained weights are worth having: a model trained on digits 0-5 and fine-tuned on
-12 images each of digits 6-9 beats the same run from random weights."""
+12 images each of digits 6-9 beats the same run from random weights, in the mean over
+three seeds."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from paratrain.data.builtin import ensure_digits
 from paratrain.engine.checkpointing import checkpoint
 
 pytestmark = pytest.mark.slow
+
+SEEDS = (0, 1, 2)  # the fine-tuning runs' (each pair alike but for the weights)
 
 
 def _sets(root: Path) -> tuple[Path, Path]:
@@ -50,15 +53,19 @@ def test_fine_tuning_beats_the_same_run_from_scratch(tmp_path):
     )  # fmt: skip
     start = tmp_path / "runs" / "pre" / "checkpoints" / "last.pt"
     assert checkpoint.load(start).classes == [str(c) for c in range(6)]
-    runs = {}
-    for name, weights in (("scratch", None), ("tuned", str(start))):
-        summary = train(
-            TrainConfig(
-                data=str(target), name=name, epochs=6, batch_size=16, lr=0.01, weights=weights,
-                **common,
-            )
-        )  # fmt: skip
-        runs[name] = summary["best_val_top1"]
-    print(f"fine-tuned best val top-1 {runs['tuned']:.3f}, from scratch {runs['scratch']:.3f}")
-    # measured: 0.76 against 0.59 (2-core EPYC, bf16); 4 classes, so chance is 0.25
-    assert runs["tuned"] > runs["scratch"] + 0.1, runs
+    runs: dict[str, list[float]] = {"scratch": [], "tuned": []}
+    for seed in SEEDS:
+        for name, weights in (("scratch", None), ("tuned", str(start))):
+            summary = train(
+                TrainConfig(
+                    data=str(target), name=f"{name}-{seed}", epochs=6, batch_size=16, lr=0.01,
+                    weights=weights, seed=seed, **common,
+                )
+            )  # fmt: skip
+            runs[name].append(summary["best_val_top1"])
+    tuned, scratch = (sum(runs[name]) / len(SEEDS) for name in ("tuned", "scratch"))
+    print(f"fine-tuned best val top-1 {tuned:.3f}, from scratch {scratch:.3f}: {runs}")
+    # 4 classes, so chance is 0.25. A single pair moves by more than the margin: 0.76 against
+    # 0.59 (2-core EPYC, bf16), 0.66 against 0.59 (a Xeon with AMX, in the whole suite) and
+    # 0.72 against 0.41 (the same, alone); over seeds 0-2 on the Xeon, 0.68 against 0.46
+    assert tuned > scratch + 0.1, runs
