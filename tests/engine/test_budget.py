@@ -358,3 +358,16 @@ def test_every_rank_moves_the_plan_and_starts_by_rank_zeros_clock():
     assert (planned, started) == other
     assert planned == 10.0  # 93 s under rank 0's threshold of 97.9 s: the plan stands
     assert started is None  # rank 0's budget is not spent: both train
+
+
+@pytest.mark.parametrize(
+    "fits, shown", [(71.001, "71.01"), (71.0, "71.00"), (71.0 + 1e-12, "71.00"), (2.345, "2.35")]
+)
+def test_the_epochs_said_to_fit_round_as_the_counter_does(fits, shown):
+    """The start line's figure, rounded up, is the epoch counter's total."""
+    import math
+
+    from paratrain.engine.prerun.budget import shown_fit
+
+    assert shown_fit(fits) == shown
+    assert math.ceil(float(shown)) == max(math.ceil(fits - 1e-9), 1)

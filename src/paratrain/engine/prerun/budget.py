@@ -180,7 +180,7 @@ class Budget:
                 f"training {fits:.2f} of an epoch, then one evaluation and checkpoint"
             )
         return (
-            f"{budget}: {fits:.2f} epochs fit in the {duration(left)} left ({how}); "
+            f"{budget}: {shown_fit(fits)} epochs fit in the {duration(left)} left ({how}); "
             "the schedule ends there"
         )
 
@@ -190,6 +190,12 @@ class Budget:
             self.planned is not None and trained >= self.planned - 1e-9
         )
         return self.finished
+
+
+def shown_fit(fits: float) -> str:
+    """Epochs that fit, to two decimals rounded up as the epoch counter rounds them
+    (71.001 is 71.01, not 71.00, where the counter says 72)."""
+    return f"{math.ceil(round((fits - 1e-9) * 100, 6)) / 100:.2f}"
 
 
 # ------------------------------------------------------------------ the recipe
