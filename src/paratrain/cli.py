@@ -8,9 +8,7 @@ function of ``paratrain.api`` does the rest.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -394,9 +392,8 @@ def _end_loader_workers() -> None:
     import multiprocessing
 
     for child in multiprocessing.active_children():
-        if child.daemon and child.pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child.pid, signal.SIGKILL)
+        if child.daemon:
+            child.kill()  # SIGKILL; one that has already ended is only reaped
             child.join()
 
 
