@@ -1,5 +1,6 @@
 """The tests' forked runs of the command (zygote.py) are the command as a new interpreter
-runs it: the same words and exit code, found by their flags, killed whole at a timeout."""
+runs it: the same words and exit code, found by their flags, killed whole at a timeout
+(their stacks printed first)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def test_a_forked_command_says_and_ends_as_a_new_interpreter_does(tmp_path, monk
 
 @pytest.mark.slow
 def test_a_forked_run_is_found_by_its_flags_and_killed_with_its_workers_at_its_timeout(tmp_path):
+    """Killed whole at its timeout, having printed every process's stacks first."""
     root, folder = small_data(tmp_path)
     args = ["train", "--data", str(folder), "--nproc", "2", "--epochs", "500", "--name", "long",
             *FAST]  # fmt: skip
@@ -57,3 +59,6 @@ def test_a_forked_run_is_found_by_its_flags_and_killed_with_its_workers_at_its_t
     assert seen and all("-m paratrain train --data" in line for line in seen[0]), seen
     assert "global batch" in out.stdout  # what it said before it was killed, kept
     assert leftover("--name long") == []
+    # before the kill, each of the three told where its threads stood (faulthandler)
+    assert out.stderr.count("Current thread 0x") >= 3, out.stderr[-3000:]
+    assert "paratrain/engine/" in out.stderr, out.stderr[-3000:]

@@ -51,11 +51,17 @@ def run(root: Path, *args: str, timeout: float = 240, **env: str):
     start = time.monotonic()
     out, timed_out = command(["train", *args], root, env_for(root, **env), timeout)
     if timed_out:
-        raise AssertionError(
-            f"paratrain train {' '.join(args)} still ran after {timeout:.0f} s:\n"
-            f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
-        )
+        raise still_ran(["train", *args], timeout, out)
     return out, time.monotonic() - start
+
+
+def still_ran(args: list[str], timeout: float, out: subprocess.CompletedProcess) -> AssertionError:
+    """The failure of a command killed at its timeout: what it printed last, and the
+    stacks its processes printed before the kill (zygote.ask_stacks)."""
+    return AssertionError(
+        f"paratrain {' '.join(args)} still ran after {timeout:.0f} s:\n"
+        f"{out.stdout[-3000:]}\n{out.stderr[-20000:]}"
+    )
 
 
 def leftover(tag: str) -> list[str]:
@@ -90,9 +96,8 @@ def last_weights(root: Path, name: str) -> dict[str, torch.Tensor]:
 def run_cli(
     *args: str, cwd: Path, timeout: float = 300, **extra: str | None
 ) -> subprocess.CompletedProcess:
-    """`paratrain *args` in ``cwd``, forked as ``run`` is: subprocess.run's
-    TimeoutExpired past ``timeout``, the command killed with everything below it.
-    ``extra``: variables set, or (None) left out."""
+    """`paratrain *args` in ``cwd``, forked as ``run`` is, and failing as it does past
+    ``timeout``. ``extra``: variables set, or (None) left out."""
     env = env_for(cwd)
     for key, value in extra.items():
         if value is None:
@@ -101,5 +106,5 @@ def run_cli(
             env[key] = value
     out, timed_out = command(list(args), cwd, env, timeout)
     if timed_out:
-        raise subprocess.TimeoutExpired(out.args, timeout, out.stdout, out.stderr)
+        raise still_ran(list(args), timeout, out)
     return out

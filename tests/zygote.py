@@ -17,6 +17,7 @@ interpreter instead.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import os
 import select
@@ -34,8 +35,9 @@ def command(
     args: list[str], cwd: Path, env: dict[str, str], timeout: float
 ) -> tuple[subprocess.CompletedProcess, bool]:
     """Run the command to its end (the last process holding its output gone), or until
-    ``timeout``, when it is killed with every process below it. Returns (the finished
-    process, whether it timed out)."""
+    ``timeout``, when its processes print their stacks to its standard error (a hang
+    shows where it stood) and it is killed with every process below it. Returns (the
+    finished process, whether it timed out)."""
     argv = [sys.executable, "-m", "paratrain", *args]
     if os.environ.get(FRESH) == "1":
         return _fresh(argv, cwd, env, timeout)
@@ -66,16 +68,21 @@ def _fresh(argv, cwd, env, timeout) -> tuple[subprocess.CompletedProcess, bool]:
 
 
 def _read(out_r: int, err_r: int, deadline: float, pid: int) -> tuple[list[str], bool]:
-    """Both pipes read to their end; past ``deadline`` the child's tree is killed first."""
+    """Both pipes read to their end; past ``deadline`` the child's tree prints its stacks
+    (``ask_stacks``) and is killed, and reading ends 30 s after that at the latest."""
     chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
     open_ = [out_r, err_r]
-    timed_out = False
+    timed_out = killed = False
     while open_:
         left = deadline - time.monotonic()
-        if left <= 0 and not timed_out:
+        if left <= 0 and not timed_out:  # what every process is doing, then the kill
+            timed_out, deadline = True, time.monotonic() + (STACKS_S if ask_stacks(pid) else 0)
+            continue
+        if left <= 0 and not killed:
             kill_tree(pid)
-            timed_out, deadline = True, time.monotonic() + 30
-        elif left <= 0:  # killed, and something it started still holds a pipe
+            killed, deadline = True, time.monotonic() + 30
+            continue
+        if left <= 0:  # killed, and something it started still holds a pipe
             break
         ready, _, _ = select.select(open_, [], [], max(left, 0.0))
         for fd in ready:
@@ -89,6 +96,36 @@ def _read(out_r: int, err_r: int, deadline: float, pid: int) -> tuple[list[str],
         os.close(fd)
     text = [b"".join(chunks[fd]).decode(errors="replace") for fd in (out_r, err_r)]
     return text, timed_out
+
+
+STACKS = signal.SIGUSR2  # a forked run prints every thread's stack on it (_become)
+STACKS_S = 3.0  # how long the stacks are read before the kill
+
+
+def ask_stacks(pid: int) -> bool:
+    """Send ``STACKS`` to ``pid`` and every process below it that catches it (the run's
+    launcher, its forked workers and their loader workers inherit faulthandler's handler;
+    a process started afresh would be ended by it, and is left to the kill): whether any
+    was asked."""
+    asked = False
+    for each in [pid, *_descendants(pid)]:
+        if _catches(each, STACKS):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(each, STACKS)
+                asked = True
+    return asked
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (SigCgt of /proc/PID/status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = next(
+        (line.split()[1] for line in status.splitlines() if line.startswith("SigCgt")), "0"
+    )
+    return bool(int(caught, 16) >> (sig - 1) & 1)
 
 
 def kill_tree(pid: int) -> None:
@@ -181,6 +218,8 @@ def _become(request: dict, fds: list[int]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         tempfile.tempdir = None  # found again from this environment's TMPDIR
+        # a run that outlives its test's timeout shows where each process stood (ask_stacks)
+        faulthandler.register(STACKS, all_threads=True)
         sys.argv = [str(Path(paratrain.__file__).parent / "__main__.py"), *request["args"]]
         from paratrain.cli import run
 

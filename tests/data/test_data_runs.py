@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from imagefolders import make_damaged_folder
+from trainruns import run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -31,16 +30,7 @@ FAST = [
 
 
 def _run(root, *args):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    env["PARATRAIN_CACHE"] = str(root / "cache")
-    return subprocess.run(
-        [sys.executable, "-m", "paratrain", "train", *args],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    return run_cli("train", *args, cwd=root, timeout=240)
 
 
 def test_bad_images_error_then_skip_on_two_processes(tmp_path):
@@ -69,14 +59,9 @@ def test_bad_images_error_then_skip_on_two_processes(tmp_path):
 
     damaged = next(path for path, _ in build_split(data).val if path not in bad)
     Path(damaged).write_bytes(b"")  # one more, in the validation part this time
-    evaluated = subprocess.run(
-        [
-            *(sys.executable, "-m", "paratrain", "eval", "--json"),
-            *("--checkpoint", "runs/skip/checkpoints/last.pt", "--data", str(data)),
-        ],
+    evaluated = run_cli(
+        *("eval", "--json", "--checkpoint", "runs/skip/checkpoints/last.pt", "--data", str(data)),
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
         timeout=240,
     )
     assert evaluated.returncode == 0, evaluated.stderr
