@@ -361,13 +361,19 @@ def test_every_rank_moves_the_plan_and_starts_by_rank_zeros_clock():
 
 
 @pytest.mark.parametrize(
-    "fits, shown", [(71.001, "71.01"), (71.0, "71.00"), (71.0 + 1e-12, "71.00"), (2.345, "2.35")]
-)
-def test_the_epochs_said_to_fit_round_as_the_counter_does(fits, shown):
-    """The start line's figure, rounded up, is the epoch counter's total."""
+    "fits, shown, counted",
+    [(71.001, "71.01", 72), (71.0, "71.00", 71), (71.0 + 1e-12, "71.00", 71), (2.345, "2.35", 3),
+     (0.3, "0.30", 1)],
+)  # fmt: skip
+def test_the_epochs_said_to_fit_round_as_the_counter_does(fits, shown, counted):
+    """The start line's figure, rounded up, is the epoch counter's total, which the run's
+    end (engine/end.py) reads too."""
     import math
 
-    from paratrain.engine.prerun.budget import shown_fit
+    from paratrain.engine.end import End
+    from paratrain.engine.prerun import budget
+    from paratrain.engine.run.schedule import Schedule
 
-    assert shown_fit(fits) == shown
-    assert math.ceil(float(shown)) == max(math.ceil(fits - 1e-9), 1)
+    assert budget.shown_fit(fits) == shown
+    assert budget.counted(fits) == counted == End(Schedule(peak=0.1, epochs=fits)).whole
+    assert max(math.ceil(float(shown)), 1) == counted

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from paratrain.config import TrainConfig
-from paratrain.engine.prerun.budget import Budget, duration
+from paratrain.engine.prerun.budget import Budget, counted, duration
 from paratrain.engine.run.schedule import Schedule, train_size_at
 from paratrain.errors import AgreedUserError
 from paratrain.log import get_logger
@@ -56,7 +56,7 @@ class End:
     @property
     def whole(self) -> int:
         """The epochs the run trains (the last one maybe in part): the counter's total."""
-        return max(math.ceil(self.epochs - 1e-9), 1)
+        return counted(self.epochs)
 
     def at_start(self, epoch: int, global_step: int, budget_text: str) -> str | None:
         """Before the first epoch: None to train, else why nothing is left to train ('':

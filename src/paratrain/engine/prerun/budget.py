@@ -164,11 +164,11 @@ class Budget:
             SLACK * self.seconds, 1.0, DRIFT * left
         ):
             before, self.planned = self.planned, fits
-            if math.ceil(before - 1e-9) != math.ceil(fits - 1e-9):  # the counter's total
+            if counted(before) != counted(fits):
                 get_logger().info(
                     f"budget {duration(self.seconds)}: {fits:.2f} epochs fit, not "
                     f"{before:.2f}: {how} ({duration(left)} left); the run now ends after "
-                    f"epoch {max(math.ceil(fits - 1e-9), 1)}"
+                    f"epoch {counted(fits)}"
                 )
         return self.planned
 
@@ -192,10 +192,19 @@ class Budget:
         return self.finished
 
 
+PART = 1e-9  # less of an epoch than this is none: 71 + 1e-12 epochs are 71, not 72
+
+
+def counted(epochs: float) -> int:
+    """The epoch counter's total for a schedule of ``epochs`` (its last epoch maybe in
+    part): rounded up, and at least one."""
+    return max(math.ceil(epochs - PART), 1)
+
+
 def shown_fit(fits: float) -> str:
     """Epochs that fit, to two decimals rounded up as the epoch counter rounds them
     (71.001 is 71.01, not 71.00, where the counter says 72)."""
-    return f"{math.ceil(round((fits - 1e-9) * 100, 6)) / 100:.2f}"
+    return f"{math.ceil(round((fits - PART) * 100, 6)) / 100:.2f}"
 
 
 # ------------------------------------------------------------------ the recipe
