@@ -31,6 +31,7 @@ import json
 import shlex
 import subprocess
 import sys
+from itertools import combinations
 from pathlib import Path
 
 import numpy as np
@@ -246,10 +247,17 @@ def _row(name: str, done: dict, seeds: list[int]) -> dict | None:
     pairs = [(done[(name, s, "plain")], done[(name, s, "defaults")]) for s in seeds
              if (name, s, "defaults") in done]  # fmt: skip
     if pairs:
-        epochs = min(min(len(p), len(d)) for p, d in pairs)
-        gap = [float(np.mean([d[e][1] - p[e][1] for p, d in pairs])) for e in range(epochs)]
-        row["gap"], row["spread"] = gap, spread_of([p[:epochs] for p, _ in pairs])
+        row["gap"], row["spread"] = equal_epoch_gap([p for p, _ in pairs], [d for _, d in pairs])
     return row
+
+
+def equal_epoch_gap(plain: list, other: list) -> tuple[list[float], float]:
+    """``other``'s mean top-1 less ``plain``'s at every epoch both reached (each a list
+    of several seeds' curves), and one seed's spread (``plain``'s: spread_of)."""
+    epochs = min(len(c) for c in [*plain, *other])
+    gap = [float(np.mean([c[e][1] for c in other]) - np.mean([c[e][1] for c in plain]))
+           for e in range(epochs)]  # fmt: skip
+    return gap, spread_of([c[:epochs] for c in plain])
 
 
 def spread_of(curves: list[list[list[float]]]) -> float:
@@ -264,10 +272,48 @@ def spread_of(curves: list[list[list[float]]]) -> float:
     return float(np.sqrt(np.mean(np.var(top1, axis=0, ddof=1))))
 
 
+def chance(args) -> None:
+    """How often the equal-epoch target flags a set by chance. With more seeds than a
+    run of the suite has (``--group`` of them, 3 as the suite): every way of taking
+    ``--group`` seeds' plain runs as the loop and as many others as the arm, that is,
+    the loop against itself, and the share flagged behind by more than a seed's spread
+    at some epoch; beside it, every ``--group`` seeds of the defaults against the same
+    seeds' plain runs, and the share flagged; and the defaults' mean gap over every
+    epoch and seed, with its standard error over the seeds."""
+    done = load(args.results)
+    k = args.group
+    if k < 2:
+        sys.exit("--group: at least 2 seeds a side (one seed has no spread)")
+    for name in args.sets:
+        plain = {s: c for (n, s, a), c in done.items() if n == name and a == "plain"}
+        ours = {s: done[(name, s, "defaults")] for s in plain if (name, s, "defaults") in done}
+        if len(plain) < 2 * k:
+            print(f"{name}: {len(plain)} plain run(s); the loop against itself needs {2 * k}")
+            continue
+        null = [_behind_by(*equal_epoch_gap([plain[s] for s in a], [plain[s] for s in b]))
+                for a in combinations(plain, k)
+                for b in combinations([s for s in plain if s not in a], k)]  # fmt: skip
+        print(f"{name}, {k} seeds a side: the plain loop against itself (seeds "
+              f"{sorted(plain)}) flagged in {np.mean(null):.0%} of {len(null)} draws")  # fmt: skip
+        if len(ours) < k:
+            continue
+        drawn = [_behind_by(*equal_epoch_gap([plain[s] for s in a], [ours[s] for s in a]))
+                 for a in combinations(ours, k)]  # fmt: skip
+        per_seed = [np.mean(equal_epoch_gap([plain[s]], [ours[s]])[0]) for s in ours]
+        error = np.std(per_seed, ddof=1) / np.sqrt(len(per_seed))
+        print(f"  the defaults against it (seeds {sorted(ours)}): flagged in "
+              f"{np.mean(drawn):.0%} of {len(drawn)} draws; their gap over every epoch "
+              f"and seed {np.mean(per_seed):+.1%} (standard error {error:.1%})")  # fmt: skip
+
+
+def _behind_by(gap: list[float], spread: float) -> bool:
+    return min(gap) + spread < 0
+
+
 def _behind(r: dict) -> bool:
     """Whether the defaults' mean is ever behind the plain loop's by more than a seed's
     spread at an equal epoch."""
-    return min(r["gap"]) + r["spread"] < 0
+    return _behind_by(r["gap"], r["spread"])
 
 
 def _geo(values: list[float]) -> float | None:
@@ -436,7 +482,7 @@ def targets(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("run", "report"))
+    parser.add_argument("what", choices=("run", "report", "chance"))
     parser.add_argument("--sets", nargs="+", default=[*CHOOSE, *CONFIRM],
                         choices=[*SETS, "digits"])  # fmt: skip
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
@@ -447,12 +493,13 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("suite-work"))
     parser.add_argument("--results", type=Path, default=Path("suite-results.jsonl"))
     parser.add_argument("--markdown", action="store_true", help="report: the docs' table")
+    parser.add_argument("--group", type=int, default=3, help="chance: seeds a side")
     parser.add_argument("--flags", type=shlex.split, default=[],
                         help="run: more paratrain flags for its arms (a variant tried: give it "
                         "its own --results, with the plain runs copied in)")  # fmt: skip
     args = parser.parse_args()
     args.work = args.work.resolve()
-    (run if args.what == "run" else report)(args)
+    {"run": run, "report": report, "chance": chance}[args.what](args)
 
 
 if __name__ == "__main__":
