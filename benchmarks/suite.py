@@ -272,14 +272,19 @@ def spread_of(curves: list[list[list[float]]]) -> float:
     return float(np.sqrt(np.mean(np.var(top1, axis=0, ddof=1))))
 
 
+LUCK = 0.2  # chance: the share of draws flagged that a lead is sized to
+
+
 def chance(args) -> None:
     """How often the equal-epoch target flags a set by chance. With more seeds than a
     run of the suite has (``--group`` of them, 3 as the suite): every way of taking
     ``--group`` seeds' plain runs as the loop and as many others as the arm, that is,
     the loop against itself, and the share flagged behind by more than a seed's spread
     at some epoch; beside it, every ``--group`` seeds of the defaults against the same
-    seeds' plain runs, and the share flagged; and the defaults' mean gap over every
-    epoch and seed, with its standard error over the seeds."""
+    seeds' plain runs, and the share flagged; the lead at every epoch that an arm would
+    need over the loop to be flagged in no more than ``LUCK`` of the draws; and the
+    defaults' mean gap over every epoch and seed, with its standard error over the
+    seeds."""
     done = load(args.results)
     k = args.group
     if k < 2:
@@ -290,11 +295,13 @@ def chance(args) -> None:
         if len(plain) < 2 * k:
             print(f"{name}: {len(plain)} plain run(s); the loop against itself needs {2 * k}")
             continue
-        null = [_behind_by(*equal_epoch_gap([plain[s] for s in a], [plain[s] for s in b]))
-                for a in combinations(plain, k)
-                for b in combinations([s for s in plain if s not in a], k)]  # fmt: skip
+        null = np.array([_margin(*equal_epoch_gap([plain[s] for s in a], [plain[s] for s in b]))
+                         for a in combinations(plain, k)
+                         for b in combinations([s for s in plain if s not in a], k)])  # fmt: skip
+        lead = max(float(np.quantile(-null, 1 - LUCK)), 0.0)
         print(f"{name}, {k} seeds a side: the plain loop against itself (seeds "
-              f"{sorted(plain)}) flagged in {np.mean(null):.0%} of {len(null)} draws")  # fmt: skip
+              f"{sorted(plain)}) flagged in {np.mean(null < 0):.0%} of {len(null)} draws; "
+              f"an arm {lead:.1%} ahead at every epoch would be in {LUCK:.0%}")  # fmt: skip
         if len(ours) < k:
             continue
         drawn = [_behind_by(*equal_epoch_gap([plain[s] for s in a], [ours[s] for s in a]))
@@ -306,8 +313,13 @@ def chance(args) -> None:
               f"and seed {np.mean(per_seed):+.1%} (standard error {error:.1%})")  # fmt: skip
 
 
+def _margin(gap: list[float], spread: float) -> float:
+    """How far the worst epoch stays inside a seed's spread (below 0: behind by more)."""
+    return min(gap) + spread
+
+
 def _behind_by(gap: list[float], spread: float) -> bool:
-    return min(gap) + spread < 0
+    return _margin(gap, spread) < 0
 
 
 def _behind(r: dict) -> bool:

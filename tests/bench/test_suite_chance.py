@@ -63,6 +63,8 @@ def test_noise_alone_flags_most_draws_over_many_epochs_and_a_lead_none(tmp_path,
     # 20 ways to take 3 of 6 seeds as the loop, the other 3 its rival; 20 draws of 3
     null = float(told.split("flagged in ")[1].split("%")[0])
     assert "of 20 draws" in told and null >= 90, told
+    lead = float(told.split("an arm ")[1].split("%")[0])
+    assert 0 < lead < 50 and "ahead at every epoch would be in 20%" in told
     assert "the defaults against it (seeds [0, 1, 2, 3, 4, 5]): flagged in 0% of 20 draws" in told
     assert "their gap over every epoch and seed +50.0% (standard error 0.0%)" in told
 
