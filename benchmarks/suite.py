@@ -20,8 +20,13 @@ first times a fixed step of ResNet-18 (CALIBRATE) and records it with every arm;
 ``report`` names the sets whose arms ran on a machine a fifth slower or faster than
 their plain runs, whose budgets then held fewer or more epochs than their share implies.
 
+``chance`` says how often the equal-epoch verdict flags the plain loop against its own
+other seeds (a set run with at least twice ``--group`` seeds), beside how often it flags
+the defaults.
+
     python benchmarks/suite.py run --sets colour fine digits --seeds 0 1 2
     python benchmarks/suite.py report [--markdown]
+    python benchmarks/suite.py chance --sets few [--group 3]
 """
 
 from __future__ import annotations
