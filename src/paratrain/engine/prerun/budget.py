@@ -34,6 +34,7 @@ from paratrain.distributed import comm
 from paratrain.distributed.runtime import Runtime
 from paratrain.log import get_logger, since_start
 
+PART = 1e-9  # less of an epoch than this is none: 71 + 1e-12 epochs are 71, not 72
 MEASURED_STEPS = 6  # steps timed before the first plan (the first one left out: warm-up)
 EVAL_COST = 1 / 3  # a batch's evaluation, as a share of its training step (forward only)
 SAFETY = 0.02  # of the budget, kept back for what the plan cannot see (the last write)
@@ -187,12 +188,9 @@ class Budget:
     def done(self, trained: float) -> bool:
         """Whether training has reached the planned length (for good, once it has)."""
         self.finished = self.finished or (
-            self.planned is not None and trained >= self.planned - 1e-9
+            self.planned is not None and trained >= self.planned - PART
         )
         return self.finished
-
-
-PART = 1e-9  # less of an epoch than this is none: 71 + 1e-12 epochs are 71, not 72
 
 
 def counted(epochs: float) -> int:
