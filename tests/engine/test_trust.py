@@ -22,7 +22,7 @@ from torch import nn
 from imagefolders import make_image_folder
 from paratrain import TrainConfig, train
 from paratrain.cli import main
-from paratrain.data.samplers import TrainBatches, TrainSampler
+from paratrain.data.samplers import FEWEST, TrainBatches, TrainSampler
 from paratrain.data.scan import find_bad_images
 from paratrain.data.transforms import DecodedSamples
 from paratrain.distributed.env import DistEnv
@@ -237,16 +237,17 @@ def test_resuming_mid_epoch_with_another_batch_neither_skips_nor_repeats(tmp_pat
 @given(n=st.integers(1, 200), batch=st.integers(1, 40), world=st.integers(1, 3))
 def test_no_training_batch_holds_less_than_half_a_batch_or_one_image(n, batch, world):
     """Every sample once, in the sampler's order; no batch over the batch size (but the
-    3 that a batch of 2 and one left over make) and, where there is a full batch, none
-    under half of one or of one image; as many batches as len() says."""
+    one of 3 to 5 that batches of 2 to 4 make of their last two) and, where there is a
+    full batch, none under half of one or under FEWEST images (unless the batch size is
+    smaller); as many batches as len() says."""
     order = TrainSampler(n, 0, world)
     batches = list(TrainBatches(order, batch))
     sizes = [len(b) for b in batches]
     assert [item for b in batches for item in b] == list(order)
     assert len(TrainBatches(order, batch)) == len(sizes)
-    assert max(sizes) <= (3 if batch == 2 else batch)
+    assert max(sizes) <= max(batch, 2 * FEWEST - 1)  # one batch of 3 to 5 from two
     if len(order) >= batch > 1:
-        assert min(sizes) >= max(batch / 2, 2), sizes
+        assert min(sizes) >= min(batch, max(batch / 2, FEWEST)), sizes
 
 
 def test_a_short_last_batch_shares_the_last_two_evenly():
@@ -255,19 +256,22 @@ def test_a_short_last_batch_shares_the_last_two_evenly():
 
     assert sizes(34, 8) == [8, 8, 8, 5, 5]  # 2 left over: the last two share 10
     assert sizes(36, 8) == [8, 8, 8, 8, 4]  # half a batch left over stays a batch
-    assert sizes(5, 2) == [2, 3] and sizes(4, 3) == [2, 2]
+    assert sizes(18, 4) == [4, 4, 4, 3, 3]  # 2 left over: under FEWEST, though half of 4
+    assert sizes(18, 5) == [5, 5, 5, 3]  # 3 left over: kept
+    assert sizes(5, 2) == [2, 3] and sizes(8, 3) == [3, 5]  # under 6 in all: one batch
     # drop_last (a pipeline's fixed micro-batches) keeps full batches only
     assert sizes(9, 4, drop_last=True) == [4, 4]
 
 
-@pytest.mark.parametrize("per_class, batch, val", [(11, 13, 6), (15, 17, 9)])
+@pytest.mark.parametrize("per_class, batch, val", [(11, 13, 6), (15, 17, 9), (13, 4, 9)])
 def test_a_last_batch_of_one_or_two_trains_at_16px_to_a_small_validation_loss(
     tmp_path, per_class, batch, val
 ):
     """27 training images in batches of 13 leave one over (BatchNorm refuses a batch of
-    one in training); 36 in batches of 17 left a last batch of 2, whose one step (ResNet-
-    18's last BatchNorm at 16 px seeing two values a channel) took the validation loss
-    to 8e14. Their samples now join or share the batches before them."""
+    one in training); 36 in batches of 17, and 30 in batches of 4, left a last batch of
+    2, whose one step (ResNet-18's last BatchNorm at 16 px seeing two values a channel)
+    took the validation loss to 8e14. Their samples now join or share the batches
+    before them."""
     data = make_image_folder(tmp_path / "data", classes=3, per_class=per_class)
     summary = train(
         TrainConfig(

@@ -150,20 +150,24 @@ class StepPlan:
     divisors: tuple[float, ...]
 
 
+FEWEST = 3  # images a training step holds at least, where its batch size allows
+
+
 class TrainBatches(Sampler):
-    """The sampler's samples in batches of ``batch_size``, where a last batch of less
-    than half a batch shares the last two batches' samples evenly (8 and 2 become 5 and
-    5). BatchNorm normalises a training batch by its own statistics, and ResNet's last
-    stage is one pixel a side at 32 px and below: two images give it two values a
-    channel, which it maps to -1 and +1 whatever they hold, with gradients as large as
-    the two are close. One such step an epoch took ResNet-18's validation loss at 16 px
-    to 1e14 and more (a last batch of 2, on 1 process as on 2). So no step has fewer
-    than half a batch, none more than a batch, and every sample stays in the epoch.
-    Where the two cannot each have two (a batch of 2 and one left over), the one joins
-    the batch before it (3): BatchNorm cannot normalise one sample in training. Every
-    rank holds the same number of samples (TrainSampler pads), so every rank splits
-    alike; a resumed epoch, which starts at a batch's edge, ends in the same batches.
-    ``drop_last``: only full batches (a pipeline's fixed micro-batches)."""
+    """The sampler's samples in batches of ``batch_size``, where a short last batch
+    (under half a batch, or under ``FEWEST`` images) shares the last two batches' samples
+    evenly (8 and 2 become 5 and 5). BatchNorm normalises a training batch by its own
+    statistics, and ResNet's last stage is one pixel a side at 32 px and below: two
+    images give it two values a channel, which it maps to -1 and +1 whatever they hold,
+    with gradients as large as the two are close. One such step an epoch took
+    ResNet-18's validation loss at 16 px to 1e14 and more (a last batch of 2, on 1
+    process as on 2, in batches of 4, 8 or 17). So no step has fewer than half a batch
+    or fewer than ``FEWEST`` images, and every sample stays in the epoch. Where the two
+    batches cannot each have ``FEWEST`` (fewer than 6 images in all: batches of 2 to 4),
+    they are one batch of up to 5. Every rank holds the same number of samples
+    (TrainSampler pads), so every rank splits alike; a resumed epoch, which starts at a
+    batch's edge, ends in the same batches. ``drop_last``: only full batches (a
+    pipeline's fixed micro-batches)."""
 
     def __init__(self, sampler: TrainSampler, batch_size: int, drop_last: bool = False):
         self.sampler, self.batch_size, self.drop_last = sampler, batch_size, drop_last
@@ -177,29 +181,27 @@ class TrainBatches(Sampler):
                 if held is not None:
                     yield held
                 held, batch = batch, []
-        short = (
-            held is not None
-            and 0 < len(batch)
-            and (2 * len(batch) < self.batch_size or len(batch) == 1)
-        )
-        if self.drop_last or not short:
+        if self.drop_last or held is None or not self._short(len(batch)):
             if held is not None:
                 yield held
-            if batch and not self.drop_last:  # at least half a batch, or all there is
+            if batch and not self.drop_last:  # not short, or all there is
                 yield batch
             return
-        assert held is not None
         both = held + batch
-        if len(both) < 4:  # a batch of 2 and one more: one batch of 3
+        if len(both) < 2 * FEWEST:
             yield both
             return
         half = -(-len(both) // 2)
         yield both[:half]
         yield both[half:]
 
+    def _short(self, rest: int) -> bool:
+        """Whether a last batch of ``rest`` (after a full one) is to share or join it."""
+        return 0 < rest and (2 * rest < self.batch_size or rest < FEWEST)
+
     def __len__(self) -> int:
         full, rest = divmod(len(self.sampler), self.batch_size)
-        if self.drop_last or (full and rest and self.batch_size + rest < 4):
+        if self.drop_last or (full and self._short(rest) and self.batch_size + rest < 2 * FEWEST):
             return full
         return full + (rest > 0)
 
