@@ -181,29 +181,31 @@ class TrainBatches(Sampler):
                 if held is not None:
                     yield held
                 held, batch = batch, []
-        if self.drop_last or held is None or not self._short(len(batch)):
-            if held is not None:
-                yield held
-            if batch and not self.drop_last:  # not short, or all there is
+        if held is None:  # fewer samples than one batch: all of them, as one
+            if batch and not self.drop_last:
                 yield batch
             return
-        both = held + batch
-        if len(both) < 2 * FEWEST:
-            yield both
-            return
-        half = -(-len(both) // 2)
-        yield both[:half]
-        yield both[half:]
+        both, start = held + batch, 0
+        for size in self._tail(len(batch)):
+            yield both[start : start + size]
+            start += size
 
-    def _short(self, rest: int) -> bool:
-        """Whether a last batch of ``rest`` (after a full one) is to share or join it."""
-        return 0 < rest and (2 * rest < self.batch_size or rest < FEWEST)
+    def _tail(self, rest: int) -> list[int]:
+        """The sizes of the epoch's last batches, made of its last full batch and the
+        ``rest`` after it: as they are, shared evenly where ``rest`` is short, or one
+        batch where the two hold fewer than 2 x ``FEWEST``."""
+        if self.drop_last or not rest:
+            return [self.batch_size]
+        if 2 * rest >= self.batch_size and rest >= FEWEST:
+            return [self.batch_size, rest]
+        both = self.batch_size + rest
+        return [both] if both < 2 * FEWEST else [-(-both // 2), both // 2]
 
     def __len__(self) -> int:
         full, rest = divmod(len(self.sampler), self.batch_size)
-        if self.drop_last or (full and self._short(rest) and self.batch_size + rest < 2 * FEWEST):
-            return full
-        return full + (rest > 0)
+        if not full:
+            return int(rest > 0 and not self.drop_last)
+        return full - 1 + len(self._tail(rest))
 
     def step_plan(self, step: int) -> StepPlan | None:
         """Every micro-batch as loaded: the loss averaged over the step's micro-batches."""
